@@ -1,0 +1,33 @@
+# kvtier — two commands do all set-up on a fresh machine: `make run` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+TORCH_PIN := torch==2.13.0
+
+.PHONY: install run test lint unit clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/install_system_deps.sh
+	bash scripts/install_system_deps.sh
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# Pin torch first: the CPU build installs from local disk; a bare `torch` pulls a CUDA build.
+	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
+	$(BIN)/python -m pip install -q -e ".[test]" "$(TORCH_PIN)"
+	touch $(STAMP)
+
+run: install
+	$(BIN)/kvtier info --disk file://$(CURDIR)/data/disk
+
+lint: install
+	$(BIN)/ruff check src tests benchmarks
+
+unit: install
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
+
+test: lint unit
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

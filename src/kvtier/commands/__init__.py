@@ -1,0 +1,1 @@
+"""CLI subcommands of ``kvtier``; each module registers one subcommand (see ``kvtier.cli``)."""

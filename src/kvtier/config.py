@@ -1,0 +1,311 @@
+"""kvtier configuration: one tree of frozen dataclasses, built once and passed down.
+
+Owns the config schema (every field with its default, its help text and what it allows) and the
+loader that layers sources in a fixed order: defaults, then an optional YAML file, then
+``KVTIER_<SECTION>__<FIELD>`` environment variables, then command-line flags
+(``--section.field VALUE``, plus a few short aliases such as ``--model``). Field help doubles as
+CLI help. Built on the main thread at start-up; the result is immutable and safe to share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from kvtier.errors import ConfigError
+
+ENV_PREFIX = "KVTIER_"
+
+
+def opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None,
+        minimum: float | None = None, maximum: float | None = None, size: bool = False,
+        secret: bool = False, alias: str | None = None) -> Any:
+    """A config field: ``help`` is the CLI help; ``size`` accepts '4GiB'-style byte counts."""
+    meta = {"help": help, "choices": choices, "minimum": minimum, "maximum": maximum,
+            "size": size, "secret": secret, "alias": alias}
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = opt("tiny-llama", "Model: a Hugging Face model directory, or a preset "
+                     "(tiny-llama, tiny-qwen2, llama3-8b-shape, qwen2.5-7b-shape).", alias="--model")
+    device: str = opt("auto", "Device to run the model on.", choices=("auto", "cpu", "cuda"),
+                      alias="--device")
+    dtype: str = opt("auto", "Model and KV dtype (auto: bfloat16 on cuda, float32 on cpu).",
+                     choices=("auto", "float32", "bfloat16", "float16"), alias="--dtype")
+    max_new_tokens: int = opt(256, "Default cap on generated tokens per request.", minimum=1)
+    seed: int = opt(0, "Seed for random-weight presets, so every process builds the same model.",
+                    minimum=0)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    enabled: bool = opt(True, "Use the tiered cache (false: the same engine with kvtier off, the "
+                        "baseline).")
+    page_size: int = opt(64, "Tokens per page, the unit of storage.", minimum=1, maximum=4096,
+                         alias="--page-size")
+    device_pages: int = opt(0, "Pages in the device pool (0: size from free device memory).",
+                            minimum=0)
+    device_memory_fraction: float = opt(0.3, "Share of free device memory for the device pool "
+                                        "when device_pages is 0.", minimum=0.01, maximum=0.95)
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    pool_bytes: int = opt(2 << 30, "Bytes of the host (pinned) page pool; 0 turns the host tier "
+                          "off.", minimum=0, size=True, alias="--host-pool-bytes")
+    pinned_budget_bytes: int = opt(8 << 30, "Process-wide limit on pinned host bytes (host pool, "
+                                   "read ring, staging). Set it from the machine's real limit.",
+                                   minimum=0, size=True)
+    layout: str = opt("page_first", "Host pool layout.", choices=("page_first", "layer_first"))
+    prefetch_share: float = opt(0.5, "Share of the host pool reserved for prefetch landing; the "
+                                "rest bounds write-through staging.", minimum=0.0, maximum=1.0)
+    read_ring_slots: int = opt(0, "Pinned page buffers that storage reads land in (0: planner).",
+                               minimum=0)
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    disk_url: str = opt("", "Disk tier URL, e.g. file:///var/cache/kvtier (empty: off).",
+                        alias="--disk")
+    disk_max_bytes: int = opt(64 << 30, "Cap on disk tier bytes; older pages are evicted past it.",
+                              minimum=0, size=True, alias="--disk-max-bytes")
+    disk_min_free_bytes: int = opt(1 << 30, "Keep at least this much free space on the disk's "
+                                   "filesystem.", minimum=0, size=True)
+    remote_url: str = opt("", "Remote tier URL, e.g. redis://:password@host:6379/0 (empty: off).",
+                          secret=True, alias="--redis")
+    remote_ttl_s: int = opt(0, "Expiry of remote pages in seconds (0: none; rely on maxmemory).",
+                            minimum=0)
+    remote_timeout_s: float = opt(1.0, "Deadline of every remote call; past it the call is a "
+                                  "miss or a refused write.", minimum=0.001, maximum=60.0)
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    write_policy: str = opt("write_through", "When device pages get a host copy.",
+                            choices=("write_through", "write_through_selective", "write_back"),
+                            alias="--write-policy")
+    prefetch_policy: str = opt("timeout", "How long a request waits for store pages to land.",
+                               choices=("best_effort", "wait_complete", "timeout"),
+                               alias="--prefetch-policy")
+    prefetch_timeout_base_s: float = opt(0.05, "Prefetch budget: fixed part, seconds.", minimum=0.0)
+    prefetch_timeout_per_1k_tokens_s: float = opt(0.02, "Prefetch budget: seconds per 1k tokens "
+                                                  "to fetch.", minimum=0.0)
+    prefetch_timeout_max_s: float = opt(2.0, "Prefetch budget cap, seconds.", minimum=0.0)
+    min_prefetch_tokens: int = opt(256, "No prefetch for store hits shorter than this.", minimum=0)
+    io_workers: int = opt(4, "Threads moving pages between the host tier and the stores.",
+                          minimum=1, maximum=256)
+    io_queue_depth: int = opt(1024, "Bound on queued IO jobs; past it jobs are refused.",
+                              minimum=1)
+    job_deadline_s: float = opt(5.0, "Deadline of one IO job.", minimum=0.001)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = opt("127.0.0.1", "Address to bind (loopback by default).", alias="--host")
+    port: int = opt(8000, "Port to listen on.", minimum=0, maximum=65535, alias="--port")
+    admin_key: str = opt("", "Bearer key of the admin API (empty: admin API disabled).",
+                         secret=True)
+    api_key: str = opt("", "Bearer key of the OpenAI routes (empty: open).", secret=True)
+    max_prompt_tokens: int = opt(32768, "Longest prompt accepted.", minimum=1)
+    max_body_bytes: int = opt(4 << 20, "Largest request body accepted.", minimum=1, size=True)
+    max_concurrent_requests: int = opt(64, "Requests queued or running at once; past it 429.",
+                                       minimum=1)
+    data_dir: str = opt("./data", "Directory for the server's data (the default disk tier).")
+
+
+@dataclass(frozen=True)
+class KvtierConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    host: HostConfig = field(default_factory=HostConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+
+SECTIONS: tuple[str, ...] = tuple(f.name for f in fields(KvtierConfig))
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
+               "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
+               "tib": 2**40, "p": 10**15, "pb": 10**15, "pib": 2**50}
+
+
+def parse_size(text: str) -> int | None:
+    """'4GiB' -> 4294967296, '512MB' -> 512000000, '123' -> 123; None if not a size."""
+    match = _SIZE_RE.match(text)
+    if not match:
+        return None
+    unit = (match.group(2) or "").lower()
+    if unit not in _SIZE_UNITS:
+        return None
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def iter_fields() -> Iterator[tuple[str, dataclasses.Field[Any]]]:
+    """Every leaf field as ('section.name', Field), in schema order."""
+    for section in fields(KvtierConfig):
+        for leaf in fields(section.type if isinstance(section.type, type) else _section_type(section.name)):
+            yield f"{section.name}.{leaf.name}", leaf
+
+
+def _section_type(name: str) -> type:
+    return type(getattr(KvtierConfig(), name))
+
+
+def _coerce(path: str, f: dataclasses.Field[Any], raw: Any) -> Any:
+    """Convert ``raw`` (text from env/flags, or a YAML scalar) to the field's type and check it."""
+    meta = f.metadata
+    kind = type(f.default)
+    value: Any
+    if kind is bool:
+        if isinstance(raw, bool):
+            value = raw
+        elif str(raw).strip().lower() in ("1", "true", "yes", "on"):
+            value = True
+        elif str(raw).strip().lower() in ("0", "false", "no", "off"):
+            value = False
+        else:
+            raise ConfigError(path, raw, "true or false")
+    elif kind is int:
+        if isinstance(raw, bool):
+            raise ConfigError(path, raw, "an integer")
+        if isinstance(raw, int):
+            value = raw
+        elif meta.get("size"):
+            value = parse_size(str(raw))
+            if value is None:
+                raise ConfigError(path, raw, "a byte count such as 1073741824, 512MiB or 4GB")
+        else:
+            try:
+                value = int(str(raw).strip())
+            except ValueError:
+                raise ConfigError(path, raw, "an integer") from None
+    elif kind is float:
+        try:
+            value = float(raw)
+        except (TypeError, ValueError):
+            raise ConfigError(path, raw, "a number") from None
+        if value != value:  # NaN
+            raise ConfigError(path, raw, "a number")
+    else:
+        if not isinstance(raw, (str, int, float)) or isinstance(raw, bool):
+            raise ConfigError(path, raw, "a string")
+        value = str(raw)
+    _check_bounds(path, meta, value)
+    return value
+
+
+def _check_bounds(path: str, meta: Mapping[str, Any], value: Any) -> None:
+    choices = meta.get("choices")
+    if choices and value not in choices:
+        raise ConfigError(path, value, "one of " + ", ".join(choices))
+    lo, hi = meta.get("minimum"), meta.get("maximum")
+    if lo is not None and hi is not None and not lo <= value <= hi:
+        raise ConfigError(path, value, f"a value from {lo} to {hi}")
+    if lo is not None and value < lo:
+        raise ConfigError(path, value, f"a value >= {lo}")
+    if hi is not None and value > hi:
+        raise ConfigError(path, value, f"a value <= {hi}")
+
+
+def _read_yaml(path: str | Path) -> dict[str, Any]:
+    import yaml  # lazy: only needed when a file is given
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError("config file", str(path), f"a readable YAML file ({exc.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError("config file", str(path), f"valid YAML ({exc})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError("config file", str(path), "a mapping of sections to fields")
+    flat: dict[str, Any] = {}
+    for section, body in data.items():
+        if section not in SECTIONS:
+            raise ConfigError(str(section), "(section)", "one of " + ", ".join(SECTIONS))
+        if not isinstance(body, dict):
+            raise ConfigError(str(section), body, "a mapping of fields")
+        for name, value in body.items():
+            flat[f"{section}.{name}"] = value
+    return flat
+
+
+def _read_env(env: Mapping[str, str]) -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in env.items():
+        if not key.startswith(ENV_PREFIX) or "__" not in key:
+            continue
+        section, _, name = key[len(ENV_PREFIX):].lower().partition("__")
+        flat[f"{section}.{name}"] = value
+    return flat
+
+
+def build_config(file: str | Path | None = None, env: Mapping[str, str] | None = None,
+                 flags: Mapping[str, Any] | None = None) -> KvtierConfig:
+    """Defaults < YAML file < ``KVTIER_SECTION__FIELD`` env < flags ({'section.field': value})."""
+    known = dict(iter_fields())
+    layers: list[tuple[str, dict[str, Any]]] = []
+    if file:
+        layers.append(("file", _read_yaml(file)))
+    layers.append(("env", _read_env(os.environ if env is None else env)))
+    layers.append(("flags", dict(flags or {})))
+    chosen: dict[str, Any] = {}
+    for _source, values in layers:
+        for path, raw in values.items():
+            if path not in known:
+                raise ConfigError(path, raw, "a known field: " + ", ".join(known))
+            chosen[path] = _coerce(path, known[path], raw)
+    sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    for path, value in chosen.items():
+        section, name = path.split(".", 1)
+        sections[section][name] = value
+    return KvtierConfig(**{name: _section_type(name)(**vals) for name, vals in sections.items()})
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """Add ``--section.field`` (and its alias, if any) for every field, help from the schema."""
+    parser.add_argument("--config", metavar="FILE", help="YAML config file (sections as below).")
+    for path, f in iter_fields():
+        names = [f"--{path}"]
+        if f.metadata.get("alias"):
+            names.append(f.metadata["alias"])
+        choices = f.metadata.get("choices")
+        shown = "***" if f.metadata.get("secret") and f.default else f.default
+        text = f"{f.metadata['help']} [default: {shown!s}]"
+        parser.add_argument(*names, dest=f"cfg:{path}", default=None, metavar="VALUE",
+                            help=text + (f" {{{', '.join(choices)}}}" if choices else ""))
+
+
+def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> KvtierConfig:
+    flags = {k[4:]: v for k, v in vars(args).items() if k.startswith("cfg:") and v is not None}
+    return build_config(getattr(args, "config", None), env, flags)
+
+
+def redact_url(url: str) -> str:
+    """A URL with its password replaced by '***'."""
+    return re.sub(r"(//[^:/@]*:)[^@]*@", r"\1***@", url)
+
+
+def to_dict(config: KvtierConfig, *, redact: bool = True) -> dict[str, dict[str, Any]]:
+    """The config as nested plain data; secrets are redacted unless ``redact`` is False."""
+    out: dict[str, dict[str, Any]] = {}
+    for path, f in iter_fields():
+        section, name = path.split(".", 1)
+        value = getattr(getattr(config, section), name)
+        if redact and f.metadata.get("secret") and value:
+            value = redact_url(value) if "://" in str(value) else "***"
+        out.setdefault(section, {})[name] = value
+    return out
