@@ -1,0 +1,1 @@
+"""kvtier.serve package."""
