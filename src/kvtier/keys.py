@@ -139,8 +139,9 @@ def chain_keys(data: bytes, page_size: int, seed: bytes) -> list[PageKey]:
     full = len(data) // step * step
     out: list[PageKey] = []
     append = out.append
+    new_key = bytes.__new__  # digests are always 32 bytes: skip PageKey's length check
     prev = seed
     for offset in range(0, full, step):
         prev = _sha256(prev + data[offset:offset + step]).digest()
-        append(PageKey(prev))
+        append(new_key(PageKey, prev))
     return out
