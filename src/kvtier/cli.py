@@ -18,7 +18,9 @@ from kvtier.errors import KvtierError
 #: Command modules, in the order ``kvtier --help`` lists them.
 COMMAND_MODULES: tuple[str, ...] = (
     "kvtier.commands.info",
+    "kvtier.commands.serve",
     "kvtier.commands.bench",
+    "kvtier.commands.plan",
 )
 
 

@@ -1,0 +1,182 @@
+"""Adapter over a Hugging Face causal LM (transformers 5.x): load, fingerprint, forward with a cache.
+
+Owns ``CausalLM``: builds a preset with random weights from a seed or loads a model directory,
+names its KV layout and fingerprint (what goes into the page-key namespace), makes
+``DynamicCache`` objects and runs the forward pass over new tokens with the past in a cache.
+Position ids always cover past + new tokens; the causal mask is left to transformers, which
+builds it over past + new from the cache length (a mask over the new tokens alone would give
+wrong logits silently). Runs on the engine thread only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvtier.engine.presets import ModelSource, resolve_model
+from kvtier.errors import ConfigError
+from kvtier.layout import KVLayout
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_SAMPLE = 64  # elements taken from each end of every weight for the fingerprint
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("engine.device", device, "cpu (no CUDA device is visible)")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    if dtype == "auto":
+        return "bfloat16" if device.startswith("cuda") else "float32"
+    if dtype not in DTYPES:
+        raise ConfigError("engine.dtype", dtype, ", ".join(DTYPES))
+    return dtype
+
+
+@dataclass
+class CausalLM:
+    """A loaded model, its tokenizer and the facts the cache needs about it."""
+
+    name: str
+    model: Any
+    tokenizer: Any
+    device: torch.device
+    dtype_name: str
+    fingerprint: str
+    eos_token_ids: tuple[int, ...]
+    cache_arg: str = "cache"
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype_name]
+
+    @property
+    def max_positions(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 0) or 1 << 20)
+
+    def kv_layout(self, page_size: int) -> KVLayout:
+        return KVLayout(self.config.num_hidden_layers, self.num_kv_heads, self.head_dim,
+                        self.dtype_name, page_size)
+
+    @property
+    def num_kv_heads(self) -> int:
+        cfg = self.config
+        return int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+
+    @property
+    def head_dim(self) -> int:
+        cfg = self.config
+        return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+
+    def new_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.config)
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, cache: Any, *, all_logits: bool = False) -> torch.Tensor:
+        """Run ``token_ids`` (1-D, on the model's device) after the ``cache.get_seq_length()``
+        tokens already in ``cache`` (mutated in place). Returns the last position's logits as
+        ``[vocab]`` fp32, or every position's as ``[n, vocab]`` with ``all_logits``."""
+        past = cache.get_seq_length()
+        new = token_ids.shape[0]
+        if past + new > self.max_positions:
+            raise ValueError(f"{past + new} positions exceed the model's {self.max_positions}")
+        positions = torch.arange(past, past + new, device=self.device).unsqueeze(0)
+        # One unpadded sequence: transformers builds the causal mask over past + new tokens from
+        # the cache length. A mask of ones would be equivalent but is checked with ``.all()``,
+        # a device sync that would stall the recompute half of a hybrid load on CUDA.
+        kwargs = {self.cache_arg: cache, "position_ids": positions, "attention_mask": None,
+                  "use_cache": True, "logits_to_keep": 0 if all_logits else 1}
+        out = self.model(input_ids=token_ids.unsqueeze(0), **kwargs)
+        logits = out.logits[0].float()
+        return logits if all_logits else logits[-1]
+
+
+def load_model(model: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0) -> CausalLM:
+    """Build a preset (random weights from ``seed``) or load a model directory onto ``device``."""
+    source = resolve_model(model)
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    hf_model = _build(source, torch.device(device), DTYPES[dtype], seed)
+    hf_model.eval()
+    _check_supported(hf_model.config)
+    tokenizer = load_tokenizer(source)
+    fingerprint = model_fingerprint(hf_model, seed if source.is_preset else None)
+    return CausalLM(source.name, hf_model, tokenizer, torch.device(device), dtype, fingerprint,
+                    _eos_ids(hf_model.config, tokenizer), _cache_arg(hf_model))
+
+
+def _cache_arg(model: Any) -> str:
+    """The cache keyword of forward: ``cache`` in newer transformers, ``past_key_values`` before."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _build(source: ModelSource, device: torch.device, dtype: torch.dtype, seed: int) -> Any:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if source.path is not None:
+        loaded = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=dtype,
+                                                      attn_implementation="sdpa")
+        return loaded.to(device)
+    config_dict = dict(source.config or {})
+    config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
+    torch.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.manual_seed_all(seed)
+    with device:
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+
+
+def _check_supported(config: Any) -> None:
+    sliding = getattr(config, "sliding_window", None)
+    if sliding and getattr(config, "use_sliding_window", True):
+        raise ConfigError("engine.model", getattr(config, "model_type", "?"),
+                          "a model with full attention (sliding-window attention is not supported)")
+
+
+def load_tokenizer(source: ModelSource) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(source.tokenizer_dir))
+
+
+def _eos_ids(config: Any, tokenizer: Any) -> tuple[int, ...]:
+    ids: set[int] = set()
+    for value in (getattr(config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return tuple(sorted(ids))
+
+
+def model_fingerprint(model: Any, seed: int | None) -> str:
+    """SHA-256 over the config, the seed (presets) and samples of every weight: two models
+    that differ in any of them never share KV pages."""
+    digest = hashlib.sha256()
+    config = model.config.to_dict()
+    config.pop("transformers_version", None)
+    digest.update(json.dumps(config, sort_keys=True, default=str).encode())
+    digest.update(f"seed={seed}".encode())
+    with torch.no_grad():
+        for name, tensor in sorted(model.state_dict().items()):
+            flat = tensor.detach().reshape(-1)
+            sample = torch.cat([flat[:_SAMPLE], flat[-_SAMPLE:]]).float().cpu()
+            digest.update(name.encode() + str(tuple(tensor.shape)).encode())
+            digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()[:32]

@@ -1,0 +1,187 @@
+"""The engine thread and its fair request queue.
+
+Owns ``Scheduler``: ``submit`` (any thread) queues a request per tenant, refusing past
+``max_pending`` with ``QueueFull``; the engine thread admits queued requests round-robin across
+tenants (one tenant's burst cannot starve another's), runs up to ``max_running`` sequences at once
+and gives each a decode step in turn, so a long generation does not hold up short ones. Every
+submitted request ends with exactly one ``FinishEvent`` (done, cancelled, failed or shut down):
+none is lost. The cache's ``poll`` runs on this thread between steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict, deque
+from typing import Any
+
+from kvtier.engine.request import FinishEvent, RequestHandle
+from kvtier.engine.runner import Engine, Sequence
+from kvtier.errors import CapacityError
+
+log = logging.getLogger("kvtier.engine")
+IDLE_POLL_S = 0.05
+
+
+class QueueFull(CapacityError):
+    """More requests are queued or running than the server accepts."""
+
+
+class Scheduler:
+    """Owns the engine thread; see the module docstring."""
+
+    def __init__(self, engine: Engine, *, max_running: int = 4, max_pending: int = 64,
+                 poll: Any = None) -> None:
+        if max_running < 1 or max_pending < 1:
+            raise ValueError("max_running and max_pending must be >= 1")
+        self.engine = engine
+        self.max_running = max_running
+        self.max_pending = max_pending
+        self._poll = poll
+        self._lock = threading.Condition()
+        self._queues: OrderedDict[str, deque[RequestHandle]] = OrderedDict()
+        self._pending = 0          # queued + running
+        self._running: list[Sequence] = []
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.counters = {"submitted": 0, "finished": 0, "rejected": 0, "failed": 0, "cancelled": 0}
+
+    # ---- any thread ----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="kvtier-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, handle: RequestHandle) -> RequestHandle:
+        with self._lock:
+            if self._stopping:
+                raise QueueFull("the engine is shutting down")
+            if self._pending >= self.max_pending:
+                self.counters["rejected"] += 1
+                raise QueueFull(f"{self._pending} requests are queued or running "
+                                f"(the limit is {self.max_pending}); retry later")
+            self._queues.setdefault(handle.request.tenant, deque()).append(handle)
+            self._pending += 1
+            self.counters["submitted"] += 1
+            self._lock.notify()
+        return handle
+
+    def stop(self, timeout: float = 30.0) -> None:
+        with self._lock:
+            self._stopping = True
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            queued = sum(len(q) for q in self._queues.values())
+            return {"queued": queued, "running": self._pending - queued, **self.counters}
+
+    # ---- engine thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while self._step():
+                pass
+        finally:
+            self._drain()
+
+    def _step(self) -> bool:
+        """One round: admit a request if there is room, then one decode step per sequence."""
+        with self._lock:
+            if self._stopping:
+                return False
+            idle = not self._running and not self._queues
+            if idle:
+                self._lock.wait(IDLE_POLL_S)
+            room = len(self._running) < self.max_running
+            handle = self._next_queued() if room and not idle else None
+        if idle:
+            self._poll_cache()
+            return True
+        if handle is not None:
+            self._admit(handle)
+        for seq in list(self._running):
+            self._advance(seq)
+        self._poll_cache()
+        return True
+
+    def _next_queued(self) -> RequestHandle | None:
+        """The head of the next tenant's queue (round-robin); called with the lock held."""
+        while self._queues:
+            tenant, queue = next(iter(self._queues.items()))
+            handle = queue.popleft()
+            del self._queues[tenant]
+            if queue:
+                self._queues[tenant] = queue  # back of the line
+            return handle
+        return None
+
+    def _admit(self, handle: RequestHandle) -> None:
+        if handle.cancelled:
+            self._end(handle, FinishEvent("cancelled", 0, None))
+            return
+        try:
+            seq = self.engine.prefill(handle)
+        except Exception as exc:  # one bad request must not stop the engine
+            log.exception("prefill failed for %s", handle.request.request_id)
+            self._end(handle, FinishEvent("error", 0, None, str(exc), type(exc).__name__))
+            return
+        self._running.append(seq)
+        self._finish_if_done(seq)
+
+    def _advance(self, seq: Sequence) -> None:
+        if seq not in self._running:
+            return
+        if seq.handle.cancelled:
+            self._close(seq, "cancelled")
+            return
+        try:
+            self.engine.decode(seq)
+        except Exception as exc:
+            log.exception("decode failed for %s", seq.request.request_id)
+            self._close(seq, "error", exc)
+            return
+        self._finish_if_done(seq)
+
+    def _finish_if_done(self, seq: Sequence) -> None:
+        reason = self.engine.finished_reason(seq)
+        if reason is not None:
+            self._close(seq, reason)
+
+    def _close(self, seq: Sequence, reason: str, error: Exception | None = None) -> None:
+        self._running.remove(seq)
+        try:
+            self.engine.finish(seq, reason, error)
+        except Exception:
+            log.exception("finish failed for %s", seq.request.request_id)
+            if not seq.handle.done.is_set():
+                seq.handle._emit(FinishEvent("error", seq.generated, seq.report, "finish failed"))
+        self._count(reason)
+
+    def _end(self, handle: RequestHandle, event: FinishEvent) -> None:
+        handle._emit(event)
+        self._count(event.reason)
+
+    def _count(self, reason: str) -> None:
+        with self._lock:
+            self._pending -= 1
+            key = {"error": "failed", "cancelled": "cancelled"}.get(reason, "finished")
+            self.counters[key] += 1
+
+    def _poll_cache(self) -> None:
+        if self._poll is not None:
+            try:
+                self._poll()
+            except Exception:
+                log.exception("cache poll failed")
+
+    def _drain(self) -> None:
+        """Shutdown: end every running and queued request with a finish event."""
+        for seq in list(self._running):
+            self._close(seq, "error", RuntimeError("the server is shutting down"))
+        with self._lock:
+            handles = [h for q in self._queues.values() for h in q]
+            self._queues.clear()
+        for handle in handles:
+            self._end(handle, FinishEvent("error", 0, None, "the server is shutting down",
+                                          "ShuttingDown"))

@@ -1,0 +1,104 @@
+"""One generation seen from asyncio: submit to the engine thread, stream text, end with usage.
+
+Owns ``stream_text``: it submits a ``GenerationRequest`` with a sink that hands engine events to
+the event loop, turns token ids into text (``Detokenizer``), cuts at stop strings
+(``StopMatcher``), cancels the engine's work when the stream ends early (stop string, client
+gone), and finishes with a ``Done`` carrying the finish reason and the OpenAI usage block.
+Runs on the server's event loop; the engine runs on its own thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.engine.request import FinishEvent, GenerationRequest, PrefillReport, TokenEvent
+from kvtier.engine.scheduler import QueueFull
+from kvtier.engine.text import Detokenizer, StopMatcher
+from kvtier.serve.errors import APIError
+
+DISCONNECT_CHECK_S = 1.0
+
+
+@dataclass(frozen=True)
+class Done:
+    finish_reason: str
+    usage: dict[str, Any]
+
+
+def usage_block(report: PrefillReport | None, prompt_tokens: int,
+                completion_tokens: int) -> dict[str, Any]:
+    """OpenAI usage, with ``cached_tokens`` and kvtier's per-tier breakdown."""
+    cached = report.cached_tokens if report else 0
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+    if report is not None:
+        usage["kvtier"] = report.as_dict()
+    return usage
+
+
+def _sink(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Any]) -> Callable[[Any], None]:
+    def deliver(event: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, event)
+        except RuntimeError:  # the event loop is gone (server shutting down)
+            pass
+    return deliver
+
+
+async def _next_event(queue: asyncio.Queue[Any], disconnected: Callable[[], Any] | None) -> Any:
+    while True:
+        try:
+            return await asyncio.wait_for(queue.get(), DISCONNECT_CHECK_S)
+        except TimeoutError:
+            if disconnected is not None and await disconnected():
+                raise asyncio.CancelledError("client disconnected") from None
+
+
+async def stream_text(service: Any, request: GenerationRequest, stops: list[str], *,
+                      disconnected: Callable[[], Any] | None = None
+                      ) -> AsyncIterator[str | Done]:
+    """Yield text increments, then one ``Done``. Raises ``APIError`` 429 when the queue is full
+    and 500 when the engine fails the request."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    try:
+        handle = service.submit(request, sink=_sink(loop, queue))
+    except QueueFull as exc:
+        raise APIError(429, str(exc), code="queue_full") from None
+    detok = Detokenizer(service.tokenizer)
+    stopper = StopMatcher(stops)
+    produced, reason = 0, None
+    try:
+        while True:
+            event = await _next_event(queue, disconnected)
+            if isinstance(event, TokenEvent):
+                if reason is not None:
+                    continue  # generated after a stop string; not part of the answer
+                produced += 1
+                if event.token_id not in request.stop_token_ids:
+                    text = stopper.feed(detok.push(event.token_id))
+                    if text:
+                        yield text
+                if stopper.stopped:
+                    reason = "stop"
+                    handle.cancel()
+                continue
+            assert isinstance(event, FinishEvent)
+            if event.reason == "error":
+                raise APIError(500, f"generation failed: {event.error}", code=event.error_kind)
+            if reason is None:
+                tail = stopper.feed(detok.flush()) + stopper.flush()
+                if tail:
+                    yield tail
+                reason = "stop" if event.reason in ("stop", "cancelled") else event.reason
+            yield Done(reason, usage_block(event.prefill, len(request.prompt_ids), produced))
+            return
+    finally:
+        if not handle.done.is_set():
+            handle.cancel()

@@ -1,0 +1,150 @@
+"""Request bodies of the OpenAI-compatible routes (pydantic), and the checks beyond their schema.
+
+Owns ``CompletionRequest`` and ``ChatCompletionRequest``: the OpenAI fields kvtier serves, the
+``cache_salt`` extension (isolates a tenant's cached prefixes), and ``unsupported()`` which
+names a field set to something the reference engine cannot do (n > 1, logprobs, tools, ...),
+so the client gets a clear 400 rather than a silently different answer. Unknown fields are
+ignored, as OpenAI clients send many. Request threads (asyncio); no engine imports.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOPS = 4
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    logprobs: Any = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=256,
+                                   description="kvtier extension: tenant salt for cached prefixes")
+    ignore_eos: bool = False
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stops(cls, value: Any) -> list[str]:
+        if value is not None and not isinstance(value, (str, list)):
+            raise ValueError("stop must be a string or a list of strings")
+        stops = [value] if isinstance(value, str) else list(value or [])
+        if not all(isinstance(s, str) for s in stops):
+            raise ValueError("stop must be a string or a list of strings")
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop sequences")
+        return [s for s in stops if s]
+
+    def unsupported(self) -> str | None:
+        """A message naming a field this server cannot honour, or None."""
+        checks = [
+            (self.n != 1, "n", "only n=1 is supported"),
+            (bool(self.logprobs), "logprobs", "logprobs are not supported"),
+            (self.presence_penalty != 0.0, "presence_penalty", "penalties are not supported"),
+            (self.frequency_penalty != 0.0, "frequency_penalty", "penalties are not supported"),
+            (bool(self.logit_bias), "logit_bias", "logit_bias is not supported"),
+        ]
+        return next((f"{field}: {why}" for bad, field, why in checks if bad), None)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def tenant(self) -> str:
+        """Fairness key: the cache salt, else the user, else one shared queue."""
+        return self.cache_salt or self.user or ""
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> str | None:
+        if self.echo:
+            return "echo: echoing the prompt is not supported"
+        if self.suffix:
+            return "suffix: insertion is not supported"
+        if self.best_of not in (None, 1):
+            return "best_of: only best_of=1 is supported"
+        return super().unsupported()
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt, as text or token ids; ValueError for a batch."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ValueError("send one prompt per request (got a batch of "
+                                 f"{len(prompt)})")
+            prompt = prompt[0]
+        if isinstance(prompt, list) and any(not isinstance(t, int) or t < 0 for t in prompt):
+            raise ValueError("token id prompts must be non-negative integers")
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        return prompt  # type: ignore[return-value]
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise ValueError(f"message content of type {part.type!r} is not supported "
+                                 "(text only)")
+        return "".join(part.text or "" for part in self.content)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def unsupported(self) -> str | None:
+        if self.tools:
+            return "tools: tool calling is not supported"
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            return "response_format: only text output is supported"
+        return super().unsupported()
+
+    @property
+    def token_cap(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def chat(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]

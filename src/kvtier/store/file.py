@@ -1,0 +1,316 @@
+"""``file://``: the disk tier, a crash-safe page store of append-only segment files.
+
+Owns ``FileStore``: opens (or creates) a store directory, answers ``contains`` from an in-memory
+index, reads pages with one ``preadv`` each straight into the caller's buffer and verifies them,
+appends writes to this process's own segment, and publishes them through the shared journal
+(``file_journal``) only once their bytes are complete. Several processes may open one directory
+at once: each appends to its own segments, and every process sees the others' pages as soon as
+it next touches the store (one ``fstat`` of the journal per call). Eviction lives in
+``file_evict``; record IO in ``file_io``; the layout in ``segment``. No background threads: the
+IO worker threads that call the store do all the work, so nothing can die silently.
+
+Directory::
+
+    kvtier-store.json   layout (page bytes, record alignment, slots per segment)
+    HEAD, journal.<g>, snapshot.<g>   the shared index (see file_journal)
+    evict.lock          one evicting process at a time
+    segments/<id>.seg   records
+
+URL: ``file:///abs/path?max_bytes=64GiB&min_free_bytes=1GiB&segment_bytes=256MiB&verify=full
+&direct=false&fsync=false``. ``verify=header`` skips the payload checksum on whole-page reads
+(header, key and length are still checked); ``fsync=true`` makes every acknowledged write
+durable across power loss (without it, across process crashes).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from kvtier.errors import ConfigError, StoreUnavailable
+from kvtier.keys import KEY_BYTES
+from kvtier.layout import ByteRange
+from kvtier.store.base import (
+    Buffer,
+    PageStore,
+    StoreCounters,
+    StoreStats,
+    readable_view,
+    writable_view,
+)
+from kvtier.store.file_evict import Evictor
+from kvtier.store.file_index import PageIndex, split
+from kvtier.store.file_io import RecordIO
+from kvtier.store.file_journal import OP_DELETE, OP_PUT, Entry, Journal
+from kvtier.store.file_options import FileStoreOptions
+from kvtier.store.record import Verdict
+from kvtier.store.segment import list_segments, load_or_create_manifest
+from kvtier.store.segment_files import SegmentReaders, SegmentWriter
+
+#: Compact the journal once it holds this many entries more than ``COMPACT_FACTOR`` x live pages.
+COMPACT_MIN_ENTRIES = 65536
+COMPACT_FACTOR = 4
+
+
+class FileStore(PageStore):
+    """Pages in segment files under one directory, shared safely between processes."""
+
+    scheme = "file"
+
+    def __init__(self, path: str | Path, page_bytes: int,
+                 options: FileStoreOptions | None = None) -> None:
+        super().__init__(page_bytes)
+        self.options = options or FileStoreOptions()
+        self.root = Path(path)
+        self.segments_dir = self.root / "segments"
+        try:
+            self.segments_dir.mkdir(parents=True, exist_ok=True)
+            self.layout = load_or_create_manifest(self.root, page_bytes, self.options.segment_bytes,
+                                                  self.options.max_bytes)
+        except OSError as exc:
+            raise StoreUnavailable(f"cannot open file store at {self.root}: {exc}") from None
+        if self.options.direct:
+            _check_direct_io(self.root)
+        self.counters = StoreCounters()
+        self._lock = threading.Lock()  # guards the index and the journal handle
+        self.readers = SegmentReaders(self.segments_dir, direct=self.options.direct,
+                                      max_open=self.options.max_open_files)
+        self.io = RecordIO(self.layout, direct=self.options.direct,
+                           verify_payload=self.options.verify == "full")
+        self.index = PageIndex(on_evict=self.readers.retire)
+        self.journal = Journal(self.root)
+        self.open_seconds = self._load()
+        self.writer = SegmentWriter(self.segments_dir, self.layout,
+                                    next_id=lambda: self.index.max_seg + 1,
+                                    direct=self.options.direct)
+        self.evictor = Evictor(self)
+        self.evictor.clean_leftovers()
+
+    @classmethod
+    def from_url(cls, url: str, page_bytes: int, options: dict[str, Any]) -> FileStore:
+        parts = urlsplit(url)
+        if parts.netloc not in ("", "localhost") or not parts.path:
+            raise ConfigError("store url", url, "file:///absolute/path (a local directory)")
+        return cls(unquote(parts.path), page_bytes, FileStoreOptions.parse(options))
+
+    def _load(self) -> float:
+        start = time.perf_counter()
+        for attempt in range(5):
+            try:
+                with self._lock:
+                    self.journal.load(self.index.load_rows, self.index.apply)
+                break
+            except FileNotFoundError:  # a compaction moved on while we loaded: start over
+                if attempt == 4:
+                    raise
+                self.journal.close()
+                self.index = PageIndex(on_evict=self.readers.retire)
+                self.journal = Journal(self.root)
+        on_disk = list_segments(self.segments_dir)
+        with self._lock:
+            for seg in set(self.index.seg_slots) - set(on_disk):
+                self.index.drop_segment(seg)  # unlinked by an eviction that did not journal
+            self.index.note_segment_files(on_disk, self.layout.record_bytes)
+        return time.perf_counter() - start
+
+    # ---- index upkeep --------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Apply what other processes appended to the journal since the last call."""
+        try:
+            changed = self.journal.changed()
+        except OSError:
+            changed = True  # the journal handle moved to a new generation under us
+        if changed:
+            with self._lock:
+                self.journal.tail(self.index.apply)
+
+    def publish(self, entries: list[Entry]) -> None:
+        """Append ``entries`` to the journal and apply them; raises OSError if nothing was."""
+        with self._lock:
+            self.journal.append(entries, self.index.apply)
+            if self.journal.entries > COMPACT_MIN_ENTRIES + COMPACT_FACTOR * len(self.index.where):
+                self.journal.compact(self.index.rows, self.index.apply)
+
+    # ---- the contract --------------------------------------------------------------------
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        self._check_open()
+        self.refresh()
+        where = self.index.where
+        return [k in where for k in keys]
+
+    def read_into(self, keys: Sequence[bytes], buffers: Sequence[Buffer]) -> list[bool]:
+        self._check_batch(keys, buffers)
+        views = [writable_view(b, self.page_bytes) for b in buffers]
+        return self._read(keys, lambda fd, slot, key, i: self.io.read(fd, slot, key, views[i]))
+
+    def read_ranges_into(self, keys: Sequence[bytes], ranges: Sequence[ByteRange],
+                         buffers: Sequence[Buffer]) -> list[bool]:
+        self._check_batch(keys, buffers)
+        views = [writable_view(b, sum(r.length for r in ranges)) for b in buffers]
+        runs = self.io.chunk_cover(ranges)
+
+        def one(fd: int, slot: int, key: bytes, i: int) -> Verdict:
+            if runs is None:
+                return self.io.read_whole_then_pack(fd, slot, key, ranges, views[i])
+            return self.io.read_chunks(fd, slot, key, runs, ranges, views[i])
+
+        return self._read(keys, one)
+
+    def _read(self, keys: Sequence[bytes], read_one: Any) -> list[bool]:
+        self.refresh()
+        pinned = self._pin(keys)
+        found = [False] * len(keys)
+        corrupt = errors = 0
+        try:
+            for i, (key, pin) in enumerate(zip(keys, pinned, strict=True)):
+                if pin is None:
+                    continue
+                try:
+                    verdict = read_one(pin[1], pin[2], key, i)
+                except OSError:
+                    errors += 1
+                    continue
+                found[i] = verdict is Verdict.OK
+                corrupt += not found[i]
+        finally:
+            for pin in pinned:
+                if pin is not None:
+                    self.readers.unpin(pin[0])
+        hits = sum(found)
+        if hits:
+            with self._lock:
+                self.index.hot.update(k for k, ok in zip(keys, found, strict=True) if ok)
+        self.counters.add(hits=hits, misses=len(keys) - hits, corrupt=corrupt, errors=errors,
+                          bytes_read=hits * self.page_bytes)
+        return found
+
+    def _pin(self, keys: Sequence[bytes]) -> list[tuple[int, int, int] | None]:
+        """(segment, descriptor, slot) of each key's record, its segment pinned; None: miss."""
+        pinned: list[tuple[int, int, int] | None] = []
+        with self._lock:
+            where = self.index.where
+            for key in keys:
+                loc = where.get(key)
+                if loc is None:
+                    pinned.append(None)
+                    continue
+                seg, slot = split(loc)
+                fd = self.readers.pin(seg)
+                pinned.append(None if fd is None else (seg, fd, slot))
+        return pinned
+
+    def write(self, keys: Sequence[bytes], buffers: Sequence[Buffer]) -> list[bool]:
+        self._check_batch(keys, buffers)
+        views = [readable_view(b, self.page_bytes) for b in buffers]
+        for key in keys:
+            if len(key) != KEY_BYTES:
+                raise ValueError(f"a page key is {KEY_BYTES} bytes, got {len(key)}")
+        if not keys:
+            return []
+        if not self.evictor.make_room(len(keys)):
+            self.counters.add(refused=len(keys))
+            return [False] * len(keys)
+        return self.write_records([bytes(k) for k in keys], views)
+
+    def write_records(self, keys: list[bytes], views: list[memoryview]) -> list[bool]:
+        """Append records and publish them (no capacity check: the evictor reinserts here)."""
+        results = [False] * len(keys)
+        try:
+            slots = self.writer.reserve(len(keys))
+        except OSError:
+            self.counters.add(refused=len(keys), errors=len(keys))
+            return results
+        done, errors = [], 0
+        try:
+            for i, (key, view, slot) in enumerate(zip(keys, views, slots, strict=True)):
+                try:
+                    self.io.write(slot.fd, slot.slot, key, view)
+                    done.append(i)
+                except OSError as exc:
+                    errors += 1
+                    self._on_write_error(exc)
+            if done:
+                errors += self._publish_puts(keys, slots, done, results)
+        finally:
+            self.writer.release(slots)
+        ok = sum(results)
+        self.counters.add(refused=len(keys) - ok, errors=errors, bytes_written=ok * self.page_bytes)
+        return results
+
+    def _publish_puts(self, keys: list[bytes], slots: list[Any], done: list[int],
+                      results: list[bool]) -> int:
+        try:
+            if self.options.fsync:
+                for fd in {slots[i].fd for i in done}:
+                    os.fdatasync(fd)
+            self.publish([Entry(OP_PUT, slots[i].seg, slots[i].slot, keys[i]) for i in done])
+            if self.options.fsync:
+                os.fdatasync(self.journal.fd)
+        except OSError as exc:
+            self._on_write_error(exc)
+            return len(done)
+        for i in done:
+            results[i] = True
+        return 0
+
+    def _on_write_error(self, exc: OSError) -> None:
+        """A full or failing disk: stop appending to this segment and free some space."""
+        self.writer.abandon_current()
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            self.evictor.relieve()
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        self._check_open()
+        self.refresh()
+        with self._lock:
+            present = [k for k in dict.fromkeys(bytes(k) for k in keys) if k in self.index.where]
+        if not present:
+            return 0
+        try:
+            self.publish([Entry(OP_DELETE, key=k) for k in present])
+        except OSError:
+            self.counters.add(errors=1)
+            return 0
+        return len(present)
+
+    def stats(self) -> StoreStats:
+        pages = len(self.index.where)
+        return StoreStats(backend=self.scheme, pages=pages, bytes=pages * self.page_bytes,
+                          capacity_bytes=self.options.max_bytes, **self.counters.snapshot())
+
+    def disk_usage(self) -> dict[str, Any]:
+        """Space on disk: segment bytes (live and dead records), filesystem free bytes."""
+        self.refresh()
+        with self._lock:
+            segments = len(self.index.seg_slots)
+            used = self.index.used_slots() * self.layout.record_bytes
+        fs = os.statvfs(self.root)
+        return {"segments": segments, "segment_bytes": used,
+                "live_bytes": len(self.index.where) * self.layout.record_bytes,
+                "fs_free_bytes": fs.f_bavail * fs.f_frsize, "record_bytes": self.layout.record_bytes,
+                "journal_generation": self.journal.gen, "journal_entries": self.journal.entries,
+                "open_seconds": self.open_seconds}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.writer.close()
+        self.readers.close()
+        with self._lock:
+            self.journal.close()
+
+
+def _check_direct_io(root: Path) -> None:
+    """Raise ConfigError unless the filesystem under ``root`` accepts O_DIRECT (tmpfs does not)."""
+    try:
+        os.close(os.open(root / "kvtier-store.json", os.O_RDONLY | os.O_DIRECT))
+    except OSError as exc:
+        raise ConfigError("direct", True, f"a filesystem that supports O_DIRECT ({exc.strerror})") \
+            from None

@@ -1,0 +1,258 @@
+"""The index journal of a ``file://`` store directory, shared by every process that opens it.
+
+Owns the on-disk index: ``journal.<gen>`` (fixed 64-byte entries: put, delete, evict-segment,
+seal), ``snapshot.<gen>`` (the live index at the start of generation ``gen``) and ``HEAD`` (the
+current generation). Every process appends under an exclusive ``flock`` on the journal and
+applies entries strictly in journal order, so all processes agree on which record a key names;
+reads only tail the journal (one ``fstat`` when nothing changed). When the journal grows past a
+bound, the appender holding the lock writes a snapshot, starts the next generation and seals the
+old one with an entry pointing at it. Called on IO worker threads (under the store's locks).
+
+Crash safety: a record is written before its put entry is appended, so a journaled page is
+always complete; a failed or short append is truncated away before the lock is released; entries
+carry a crc32 and a bad one is skipped; a file length that is not a multiple of 64 (a torn
+append after power loss) is cut back at open.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import struct
+import zlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import xxhash
+
+OP_PUT, OP_DELETE, OP_EVICT, OP_SEAL = 1, 2, 3, 4
+ENTRY_BYTES = 64
+_ENTRY = struct.Struct("<B3xII4x32sQ4x")  # op, seg, slot, key, value; then the crc32
+assert _ENTRY.size == ENTRY_BYTES - 4
+SNAPSHOT_MAGIC = b"KVTSNAP1"
+SNAPSHOT_DTYPE = np.dtype([("key", "V32"), ("seg", "<u4"), ("slot", "<u4")])
+_SNAP_HEADER = struct.Struct("<8sQQ40x")  # magic, rows, xxh3 of rows
+
+
+class Entry(NamedTuple):
+    op: int
+    seg: int = 0
+    slot: int = 0
+    key: bytes = bytes(32)
+    value: int = 0
+
+
+def encode_entry(entry: Entry) -> bytes:
+    body = _ENTRY.pack(entry.op, entry.seg, entry.slot, entry.key, entry.value)
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def decode_entries(data: bytes) -> Iterator[Entry | None]:
+    """Entries of ``data`` (a multiple of 64 bytes); None for an entry that fails its crc."""
+    for start in range(0, len(data) - ENTRY_BYTES + 1, ENTRY_BYTES):
+        body = data[start:start + ENTRY_BYTES - 4]
+        (crc,) = struct.unpack_from("<I", data, start + ENTRY_BYTES - 4)
+        yield Entry(*_ENTRY.unpack(body)) if zlib.crc32(body) == crc else None
+
+
+Apply = Callable[[Entry], None]
+
+
+class Journal:
+    """One process's handle on the shared journal: loads it, tails it, appends to it."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.gen = 0
+        self.fd = -1
+        self.pos = 0
+        self.entries = 0  # entries in the current generation
+        self.bad_entries = 0
+
+    # ---- paths ---------------------------------------------------------------------------
+    def _journal(self, gen: int) -> Path:
+        return self.root / f"journal.{gen}"
+
+    def _snapshot(self, gen: int) -> Path:
+        return self.root / f"snapshot.{gen}"
+
+    def _read_head(self) -> int:
+        try:
+            return int((self.root / "HEAD").read_text().strip() or 0)
+        except FileNotFoundError:
+            return 0
+
+    # ---- loading -------------------------------------------------------------------------
+    def load(self, apply_snapshot: Callable[[np.ndarray], None], apply: Apply) -> None:
+        """Load the latest snapshot and replay the journal to its end.
+
+        Raises FileNotFoundError when a concurrent compaction removed the generation being
+        loaded (the caller starts over with a fresh index).
+        """
+        gen = self._read_head()
+        apply_snapshot(self.read_snapshot(gen))
+        self._open_gen(gen, create=gen == 0)
+        self._repair_tail()
+        self.tail(apply)
+
+    def read_snapshot(self, gen: int) -> np.ndarray:
+        if gen == 0:
+            return np.zeros(0, SNAPSHOT_DTYPE)
+        data = self._snapshot(gen).read_bytes()
+        magic, rows, digest = _SNAP_HEADER.unpack_from(data)
+        body = memoryview(data)[_SNAP_HEADER.size:]
+        if magic != SNAPSHOT_MAGIC or body.nbytes != rows * SNAPSHOT_DTYPE.itemsize \
+                or xxhash.xxh3_64_intdigest(body) != digest:
+            raise OSError(f"{self._snapshot(gen)} is damaged")
+        return np.frombuffer(body, SNAPSHOT_DTYPE)
+
+    def _open_gen(self, gen: int, create: bool = False) -> None:
+        flags = os.O_RDWR | os.O_APPEND | (os.O_CREAT if create else 0)
+        fd = os.open(self._journal(gen), flags, 0o644)
+        if self.fd >= 0:
+            os.close(self.fd)
+        self.fd, self.gen, self.pos, self.entries = fd, gen, 0, 0
+
+    def _repair_tail(self) -> None:
+        """Cut a torn final entry (power loss mid-append) so later appends stay framed."""
+        with self.locked():
+            size = os.fstat(self.fd).st_size
+            if size % ENTRY_BYTES:
+                os.ftruncate(self.fd, size - size % ENTRY_BYTES)
+
+    # ---- tailing -------------------------------------------------------------------------
+    def changed(self) -> bool:
+        return os.fstat(self.fd).st_size > self.pos
+
+    def tail(self, apply: Apply) -> None:
+        """Apply every complete entry appended since the last call, following seals."""
+        while True:
+            size = os.fstat(self.fd).st_size
+            size -= (size - self.pos) % ENTRY_BYTES
+            if size <= self.pos:
+                return
+            data = os.pread(self.fd, size - self.pos, self.pos)
+            self.pos += len(data) - len(data) % ENTRY_BYTES
+            sealed = self._apply_all(data, apply)
+            if sealed is not None:
+                self._open_gen(sealed)
+
+    def _apply_all(self, data: bytes, apply: Apply) -> int | None:
+        for entry in decode_entries(data):
+            self.entries += 1
+            if entry is None:
+                self.bad_entries += 1
+            elif entry.op == OP_SEAL:
+                return entry.value
+            else:
+                apply(entry)
+        return None
+
+    # ---- appending -----------------------------------------------------------------------
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the exclusive journal lock of the current generation (following seals)."""
+        while True:
+            fd = self.fd
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if fd == self.fd:
+                break
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            if fd == self.fd:  # else a seal moved us on and closing the old one unlocked it
+                fcntl.flock(fd, fcntl.LOCK_UN)
+
+    def append(self, entries: list[Entry], apply: Apply) -> None:
+        """Catch up, append ``entries`` and apply them; raises OSError (nothing appended)."""
+        while True:
+            fd = self.fd
+            with self.locked():
+                self.tail(apply)
+                if fd != self.fd:
+                    continue  # a seal moved us to a new generation: lock that one
+                self._write_locked([encode_entry(e) for e in entries])
+                for entry in entries:
+                    apply(entry)
+                return
+
+    def _write_locked(self, encoded: list[bytes]) -> None:
+        data = b"".join(encoded)
+        start = os.fstat(self.fd).st_size
+        try:
+            written = os.write(self.fd, data)
+        except OSError:
+            os.ftruncate(self.fd, start)
+            raise
+        if written != len(data):
+            os.ftruncate(self.fd, start)
+            raise OSError(28, "short journal append")  # ENOSPC, in practice
+        self.pos = start + written
+        self.entries += len(encoded)
+
+    # ---- compaction ----------------------------------------------------------------------
+    def compact(self, rows: Callable[[], np.ndarray], apply: Apply) -> bool:
+        """Start the next generation from a snapshot of the live index (``rows()`` after
+        catching up). False when another process holds the lock (it will compact) or a file
+        could not be written."""
+        fd = self.fd
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        try:
+            self.tail(apply)
+            if fd != self.fd:
+                return False
+            return self._roll(rows())
+        finally:
+            if fd == self.fd:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+
+    def _roll(self, rows: np.ndarray) -> bool:
+        new = self.gen + 1
+        try:
+            self._write_snapshot(new, rows)
+            self._journal(new).unlink(missing_ok=True)  # an uncommitted leftover
+            os.close(os.open(self._journal(new), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644))
+            self._write_locked([encode_entry(Entry(OP_SEAL, value=new))])  # the commit point
+        except OSError:
+            return False
+        _replace_file(self.root / "HEAD", f"{new}\n".encode())
+        old = self.gen
+        self._open_gen(new)
+        if old >= 1:  # keep the generation just sealed for processes still loading it
+            self._journal(old - 1).unlink(missing_ok=True)
+            self._snapshot(old - 1).unlink(missing_ok=True)
+        return True
+
+    def _write_snapshot(self, gen: int, rows: np.ndarray) -> None:
+        body = np.ascontiguousarray(rows, SNAPSHOT_DTYPE).tobytes()
+        header = _SNAP_HEADER.pack(SNAPSHOT_MAGIC, len(rows), xxhash.xxh3_64_intdigest(body))
+        _replace_file(self._snapshot(gen), header + body)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _replace_file(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically and durably (temp file, fsync, rename)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)

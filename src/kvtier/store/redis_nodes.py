@@ -1,0 +1,209 @@
+"""Where a Redis page store sends its commands: one server, or the primaries of a Redis Cluster.
+
+Owns ``Endpoint`` (one server: a redis-py connection pool plus a ``CircuitBreaker``; ``run``
+executes a unit of wire work on a pooled connection within the call's deadline and turns every
+failure into ``EndpointDown``), ``StandaloneRouter`` and ``ClusterRouter`` (split a batch of keys
+per server: by hash slot in a cluster, refreshing the slot map in the background after a MOVED
+reply), and ``open_router`` (builds either from the parsed URL). redis-py is imported here, lazily,
+only when a Redis store is opened. Called from the IO worker threads that call the store; the
+topology refresh runs on a short-lived daemon thread that catches everything.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from kvtier.store.redis_breaker import CircuitBreaker
+from kvtier.store.redis_options import RedisOptions
+from kvtier.store.redis_wire import Deadline, ReplyReader, connection_socket
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+Work = Callable[[Any, ReplyReader], T]
+
+#: Error replies that mean the server cannot serve now (the whole call fails, the breaker counts).
+UNAVAILABLE_KINDS = frozenset({"LOADING", "BUSY", "NOAUTH", "WRONGPASS", "NOPERM", "MASTERDOWN",
+                               "CLUSTERDOWN", "TRYAGAIN", "READONLY"})
+#: Error replies that mean the cluster's slot map changed under us.
+MOVED_KINDS = frozenset({"MOVED", "ASK"})
+
+
+class EndpointDown(Exception):
+    """A call to one server failed (breaker open, unreachable, too slow, or not ready)."""
+
+    def __init__(self, endpoint: str, reason: str, cause: BaseException | None = None) -> None:
+        super().__init__(f"redis {endpoint}: {reason}")
+        self.endpoint = endpoint
+        self.cause = cause
+
+
+class Endpoint:
+    """One Redis server: its connection pool and its circuit breaker."""
+
+    def __init__(self, name: str, pool: Any, breaker: CircuitBreaker) -> None:
+        self.name = name
+        self.pool = pool
+        self.breaker = breaker
+
+    def run(self, work: Work[T], deadline: Deadline) -> T:
+        """``work(socket, reader)`` on a pooled connection; raises ``EndpointDown`` on failure."""
+        if not self.breaker.allow():
+            raise EndpointDown(self.name, "circuit open (recent failures)")
+        try:
+            result = self._attempt_with_one_retry(work, deadline)
+        except Exception as exc:
+            if self.breaker.record_failure():
+                log.warning("redis %s: circuit opened after %s", self.name, exc)
+                self.pool.disconnect(inuse_connections=False)
+            raise EndpointDown(self.name, f"{type(exc).__name__}: {exc}", exc) from exc
+        self.breaker.record_success()
+        return result
+
+    def probe(self, work: Work[T], deadline: Deadline) -> T:
+        """``work`` on a fresh pooled connection, bypassing the breaker; raises what it raised."""
+        return self._attempt(work, deadline)
+
+    def _attempt_with_one_retry(self, work: Work[T], deadline: Deadline) -> T:
+        from redis.exceptions import AuthenticationError
+        from redis.exceptions import ConnectionError as RedisConnectionError
+
+        try:
+            return self._attempt(work, deadline)
+        except AuthenticationError:
+            raise
+        except (RedisConnectionError, ConnectionError):
+            # A pooled connection may predate a server restart: one retry on a fresh one.
+            deadline.remaining()
+            return self._attempt(work, deadline)
+
+    def _attempt(self, work: Work[T], deadline: Deadline) -> T:
+        deadline.remaining()
+        conn = self.pool.get_connection()
+        try:
+            sock = connection_socket(conn)
+            reader = ReplyReader(sock, deadline)
+            result = work(sock, reader)
+            reader.finish()
+            return result
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            self.pool.release(conn)
+
+
+class StandaloneRouter:
+    """Every key goes to the one server."""
+
+    def __init__(self, endpoint: Endpoint) -> None:
+        self._endpoint = endpoint
+
+    def route(self, rkeys: Sequence[bytes]) -> list[tuple[Endpoint | None, list[int]]]:
+        return [(self._endpoint, list(range(len(rkeys))))] if rkeys else []
+
+    def endpoints(self) -> list[Endpoint]:
+        return [self._endpoint]
+
+    def moved(self) -> None:
+        """A MOVED reply from a standalone server: nothing to refresh."""
+
+    def close(self) -> None:
+        self._endpoint.pool.disconnect()
+
+
+class ClusterRouter:
+    """Keys go to the primary that owns their hash slot; batches split per primary."""
+
+    def __init__(self, client: Any, make_breaker: Callable[[], CircuitBreaker]) -> None:
+        self._client = client
+        self._make_breaker = make_breaker
+        self._endpoints: dict[str, Endpoint] = {}
+        self._lock = threading.Lock()
+        self._refreshing = False
+
+    def route(self, rkeys: Sequence[bytes]) -> list[tuple[Endpoint | None, list[int]]]:
+        from redis.exceptions import SlotNotCoveredError
+
+        groups: dict[str, tuple[Any, list[int]]] = {}
+        unrouted: list[int] = []
+        for i, rkey in enumerate(rkeys):
+            try:
+                node = self._client.get_node_from_key(rkey)
+            except SlotNotCoveredError:
+                unrouted.append(i)
+                continue
+            groups.setdefault(node.name, (node, []))[1].append(i)
+        routed: list[tuple[Endpoint | None, list[int]]] = [
+            (self._endpoint(node), idx) for node, idx in groups.values()]
+        if unrouted:
+            self.moved()
+            routed.append((None, unrouted))
+        return routed
+
+    def _endpoint(self, node: Any) -> Endpoint:
+        endpoint = self._endpoints.get(node.name)
+        if endpoint is None:
+            with self._lock:
+                endpoint = self._endpoints.get(node.name)
+                if endpoint is None:
+                    pool = self._client.get_redis_connection(node).connection_pool
+                    endpoint = Endpoint(node.name, pool, self._make_breaker())
+                    self._endpoints[node.name] = endpoint
+        return endpoint
+
+    def endpoints(self) -> list[Endpoint]:
+        return [self._endpoint(node) for node in self._client.get_primaries()]
+
+    def moved(self) -> None:
+        """Refresh the slot map on a daemon thread (once at a time); calls never wait for it."""
+        with self._lock:
+            if self._refreshing:
+                return
+            self._refreshing = True
+        threading.Thread(target=self._refresh, name="kvtier-redis-topology", daemon=True).start()
+
+    def _refresh(self) -> None:
+        try:
+            self._client.nodes_manager.initialize()
+        except Exception as exc:  # the old map stays; the next MOVED tries again
+            log.warning("redis cluster: slot map refresh failed: %s", exc)
+        finally:
+            with self._lock:
+                self._refreshing = False
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def _client_kwargs(opts: RedisOptions) -> dict[str, Any]:
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    # Handshakes (AUTH, SELECT) use socket_timeout; every data call sets its own deadline.
+    # RESP2: the reader in redis_wire speaks it (redis-py 8 would otherwise say HELLO 3).
+    return {"protocol": 2, "socket_timeout": opts.timeout_s / 4,
+            "socket_connect_timeout": min(opts.effective_connect_timeout_s, opts.timeout_s / 4),
+            "socket_keepalive": True, "max_connections": opts.max_connections,
+            "retry": Retry(NoBackoff(), 0), "driver_info": None, "health_check_interval": 0}
+
+
+def open_router(client_url: str, opts: RedisOptions) -> StandaloneRouter | ClusterRouter:
+    """Connection pools (not yet connected, except a cluster's slot-map discovery)."""
+    import redis
+    from redis.cluster import RedisCluster
+
+    def make_breaker() -> CircuitBreaker:
+        return CircuitBreaker(failures=opts.breaker_failures, backoff_s=opts.breaker_backoff_s,
+                              max_backoff_s=opts.breaker_max_backoff_s)
+
+    kwargs = _client_kwargs(opts)
+    if opts.cluster:
+        client = RedisCluster.from_url(client_url, require_full_coverage=False, **kwargs)
+        return ClusterRouter(client, make_breaker)
+    pool = redis.ConnectionPool.from_url(client_url, **kwargs)
+    conn_kwargs = pool.connection_kwargs
+    name = f"{conn_kwargs.get('host', '?')}:{conn_kwargs.get('port', '?')}"
+    return StandaloneRouter(Endpoint(name, pool, make_breaker()))

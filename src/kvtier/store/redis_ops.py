@@ -1,0 +1,144 @@
+"""The units of wire work the Redis page store runs on one server: GET, SET, EXISTS, DEL, INFO.
+
+Each builder returns a ``work(sock, reader)`` function for ``Endpoint.run``: it pipelines its
+commands (page reads in chunks of ``batch_bytes``, the next chunk sent before the previous one is
+read), reads exactly one reply per command, and returns the replies in order. An error reply
+that means the server cannot serve (LOADING, NOAUTH, ...) is raised after the batch, so the
+call counts as an outage. Runs on the IO worker thread that called the store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvtier.store.redis_nodes import UNAVAILABLE_KINDS
+from kvtier.store.redis_wire import Deadline, ReplyReader, ServerError, pack, send_pieces
+
+
+def _raise_unavailable(replies: Sequence[Any]) -> None:
+    for reply in replies:
+        if isinstance(reply, ServerError) and reply.kind in UNAVAILABLE_KINDS:
+            raise reply
+
+
+def get_pages(rkeys: Sequence[bytes], views: Sequence[memoryview], header_bytes: int,
+              pages_per_trip: int, deadline: Deadline) -> Any:
+    """GET each key into its view; replies: header bytes, None (nil), int (wrong size), error."""
+    chunks = [(start, min(start + pages_per_trip, len(rkeys)))
+              for start in range(0, len(rkeys), pages_per_trip)]
+
+    def send(sock: Any, chunk: tuple[int, int]) -> None:
+        start, end = chunk
+        send_pieces(sock, [b"".join(pack(b"GET", k) for k in rkeys[start:end])], deadline)
+
+    def work(sock: Any, reader: ReplyReader) -> list[Any]:
+        replies: list[Any] = []
+        send(sock, chunks[0])
+        for n, (start, end) in enumerate(chunks):
+            if n + 1 < len(chunks):
+                send(sock, chunks[n + 1])  # the server works on it while we read this one
+            replies.extend(reader.page(header_bytes, views[i]) for i in range(start, end))
+        _raise_unavailable(replies)
+        return replies
+
+    return work
+
+
+def set_pages(rkeys: Sequence[bytes], headers: Sequence[bytes], payloads: Sequence[memoryview],
+              ttl_s: int, deadline: Deadline) -> Any:
+    """SET each key to header + payload (with EX when ``ttl_s``), sent without joining them."""
+    expiry = pack(b"EX", b"%d" % ttl_s)[4:] if ttl_s else b""  # the two bulk args, no array head
+    argc = 5 if ttl_s else 3
+
+    def work(sock: Any, reader: ReplyReader) -> list[Any]:
+        pieces: list[bytes | memoryview] = []
+        for rkey, header, payload in zip(rkeys, headers, payloads, strict=True):
+            size = len(header) + len(payload)
+            pieces.append(b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s"
+                          % (argc, len(rkey), rkey, size, header))
+            pieces.append(payload)
+            pieces.append(b"\r\n" + expiry)
+        send_pieces(sock, pieces, deadline)
+        replies = [reader.simple() for _ in rkeys]
+        _raise_unavailable(replies)
+        return replies
+
+    return work
+
+
+def per_key(command: bytes, rkeys: Sequence[bytes], deadline: Deadline) -> Any:
+    """``command key`` for each key (EXISTS, DEL), pipelined; replies are integers or errors."""
+
+    def work(sock: Any, reader: ReplyReader) -> list[Any]:
+        send_pieces(sock, [b"".join(pack(command, k) for k in rkeys)], deadline)
+        replies = [reader.simple() for _ in rkeys]
+        _raise_unavailable(replies)
+        return replies
+
+    return work
+
+
+def server_info(match: bytes | None, deadline: Deadline) -> Any:
+    """INFO memory and stats, and the key count: DBSIZE, or SCAN ``match`` (exact, slower)."""
+
+    def work(sock: Any, reader: ReplyReader) -> dict[str, Any]:
+        send_pieces(sock, [pack(b"INFO", b"memory") + pack(b"INFO", b"stats")], deadline)
+        info: dict[str, Any] = {}
+        for _ in range(2):
+            reply = reader.simple()
+            if isinstance(reply, ServerError):
+                raise reply
+            info.update(parse_info(reply))
+        info["keys"] = _count_keys(sock, reader, match, deadline)
+        return info
+
+    return work
+
+
+def _count_keys(sock: Any, reader: ReplyReader, match: bytes | None, deadline: Deadline) -> int:
+    if match is None:
+        send_pieces(sock, [pack(b"DBSIZE")], deadline)
+        reply = reader.simple()
+        if not isinstance(reply, int):
+            raise ServerError(str(reply))
+        return reply
+    cursor, count = b"0", 0
+    while True:
+        send_pieces(sock, [pack(b"SCAN", cursor, b"MATCH", match, b"COUNT", b"1000")], deadline)
+        reply = reader.simple()
+        if isinstance(reply, ServerError) or not isinstance(reply, list):
+            raise ServerError(str(reply))
+        cursor, keys = reply
+        count += len(keys)
+        if cursor == b"0":
+            return count
+
+
+def parse_info(text: Any) -> dict[str, Any]:
+    """``INFO`` text as {field: int | float | str}."""
+    out: dict[str, Any] = {}
+    raw = text.decode(errors="replace") if isinstance(text, bytes) else str(text)
+    for line in raw.splitlines():
+        if not line or line.startswith("#") or ":" not in line:
+            continue
+        name, _, value = line.partition(":")
+        for kind in (int, float):
+            try:
+                out[name] = kind(value)
+                break
+            except ValueError:
+                continue
+        else:
+            out[name] = value
+    return out
+
+
+def glob_escape(text: bytes) -> bytes:
+    """``text`` with Redis glob metacharacters escaped, for a literal SCAN MATCH prefix."""
+    out = bytearray()
+    for byte in text:
+        if byte in b"*?[]\\":
+            out += b"\\"
+        out.append(byte)
+    return bytes(out)

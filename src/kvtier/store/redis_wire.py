@@ -1,0 +1,247 @@
+"""The RESP wire work of the Redis page store on one connection, bounded by a deadline.
+
+Owns ``Deadline``, ``pack`` (RESP command encoding), ``send_pieces`` (vectored sends straight from
+the caller's page buffers) and ``ReplyReader``, which reads replies from the socket of a
+connection that redis-py opened (redis-py keeps doing connect, AUTH, TLS, SELECT, pooling and
+cluster topology). Reading ourselves lets a GET reply's payload land in the caller's buffer with
+one copy (the kernel's) instead of four (socket buffer, parser buffer, bytes object, caller).
+
+Invariant of ``ReplyReader``: it never holds more bytes than the line and record header of the
+next page-sized bulk reply, so a payload is always read by ``recv_into`` on the destination. It
+consumes exactly the replies it was asked for, leaving the connection clean for the pool; on
+any exception the caller must disconnect the connection (its state is then unknown).
+
+Every socket operation gets the time left before the call's deadline as its timeout. Runs on
+the IO worker thread that called the store; one connection is used by one thread at a time.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import time
+from collections.abc import Sequence
+from typing import Any
+
+MISS = None  # a nil bulk reply
+_CRLF = b"\r\n"
+_COALESCE_BYTES = 32 << 10   # payloads below this are copied into one send buffer
+_MAX_IOV = 512               # buffers per sendmsg call (IOV_MAX is 1024 on Linux)
+_MAX_LINE = 64 << 10         # longest reply line accepted
+
+
+class DeadlineExceeded(TimeoutError):
+    """The call's deadline passed before the server answered."""
+
+
+class ProtocolError(ConnectionError):
+    """The server sent something this reader does not expect; the connection is unusable."""
+
+
+class ServerError(Exception):
+    """An error reply (``-ERR ...``): the first word is ``kind`` (MOVED, LOADING, NOAUTH...)."""
+
+    def __init__(self, line: str) -> None:
+        super().__init__(line)
+        self.kind = line.split(" ", 1)[0]
+
+
+class Deadline:
+    """A point in time (monotonic) every socket operation of one call must finish by."""
+
+    def __init__(self, seconds: float) -> None:
+        self.at = time.monotonic() + seconds
+
+    def remaining(self) -> float:
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded("deadline passed")
+        return left
+
+
+def pack(*args: bytes) -> bytes:
+    """One RESP command (an array of bulk strings)."""
+    parts = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        parts.append(b"$%d\r\n%s\r\n" % (len(arg), arg))
+    return b"".join(parts)
+
+
+def connection_socket(conn: Any) -> socket.socket:
+    """The socket of a connected redis-py connection (the one private attribute we rely on)."""
+    sock = getattr(conn, "_sock", None)
+    if sock is None:
+        raise ConnectionError("connection is not connected")
+    return sock
+
+
+def coalesce(pieces: Sequence[bytes | memoryview]) -> list[bytes | memoryview]:
+    """Merge runs of small pieces into one, keep large payload views as they are."""
+    out: list[bytes | memoryview] = []
+    run: list[bytes | memoryview] = []
+    for piece in pieces:
+        if len(piece) >= _COALESCE_BYTES:
+            if run:
+                out.append(b"".join(run))
+                run = []
+            out.append(piece)
+        else:
+            run.append(piece)
+    if run:
+        out.append(b"".join(run))
+    return out
+
+
+def send_pieces(sock: socket.socket, pieces: Sequence[bytes | memoryview], deadline: Deadline) -> None:
+    """Send every piece in order, by vectored sends where the socket has them (not TLS)."""
+    pieces = coalesce(pieces)
+    if isinstance(sock, ssl.SSLSocket):
+        for piece in pieces:
+            sock.settimeout(deadline.remaining())
+            sock.sendall(piece)
+        return
+    views = [memoryview(p).cast("B") for p in pieces]
+    start = 0
+    while start < len(views):
+        sock.settimeout(deadline.remaining())
+        sent = sock.sendmsg(views[start:start + _MAX_IOV])
+        while sent and start < len(views):
+            if sent >= len(views[start]):
+                sent -= len(views[start])
+                start += 1
+            else:
+                views[start] = views[start][sent:]
+                sent = 0
+
+
+class ReplyReader:
+    """Reads RESP replies from one socket; page payloads land straight in caller buffers."""
+
+    def __init__(self, sock: socket.socket, deadline: Deadline) -> None:
+        self._sock = sock
+        self._deadline = deadline
+        self._buf = bytearray()
+        self._owed = 0  # bytes of a consumed bulk's trailing CRLF still in the socket
+        self._scratch = bytearray(64 << 10)
+
+    # ---- socket ------------------------------------------------------------------------
+    def _recv_into(self, view: memoryview) -> int:
+        self._sock.settimeout(self._deadline.remaining())
+        got = self._sock.recv_into(view)
+        if got == 0:
+            raise ConnectionError("server closed the connection")
+        return got
+
+    def _recv_some(self, at_most: int) -> None:
+        view = memoryview(self._scratch)[:min(at_most, len(self._scratch))]
+        got = self._recv_into(view)
+        self._buf += view[:got]
+
+    def _settle_owed(self) -> None:
+        if self._owed and len(self._buf) >= self._owed:
+            if self._buf[:self._owed] != _CRLF[-self._owed:]:
+                raise ProtocolError("bulk reply not terminated by CRLF")
+            del self._buf[:self._owed]
+            self._owed = 0
+
+    # ---- lines and exact byte counts ----------------------------------------------------
+    def line(self, window: int = _MAX_LINE) -> bytes:
+        """The next reply line (without CRLF). Reads at most ``window`` bytes past a line start
+        that has not arrived yet, so it never reads into a page payload that follows."""
+        while True:
+            self._settle_owed()
+            if not self._owed:
+                end = self._buf.find(_CRLF)
+                if end >= 0:
+                    text = bytes(self._buf[:end])
+                    del self._buf[:end + 2]
+                    return text
+                if len(self._buf) > _MAX_LINE:
+                    raise ProtocolError("reply line too long")
+            if self._owed:  # the buffer holds part of a CRLF and nothing of the line yet
+                room = self._owed - len(self._buf) + window
+            else:           # the buffer holds the start of the line; read up to the window
+                held = len(self._buf)
+                room = window - held if held < window else window
+            self._recv_some(room)
+
+    def exact(self, nbytes: int) -> bytes:
+        """Exactly the next ``nbytes`` bytes (reads no further)."""
+        self._settle_owed()
+        while len(self._buf) - self._owed < nbytes:
+            self._recv_some(self._owed + nbytes - len(self._buf))
+            self._settle_owed()
+        out = bytes(self._buf[:nbytes])
+        del self._buf[:nbytes]
+        return out
+
+    def into(self, dest: memoryview) -> None:
+        """Fill ``dest`` with the next ``len(dest)`` bytes: from the socket, not via a copy."""
+        self._settle_owed()
+        if self._owed:
+            self.exact(0)
+        have = min(len(self._buf), len(dest))
+        dest[:have] = self._buf[:have]
+        del self._buf[:have]
+        pos = have
+        while pos < len(dest):
+            pos += self._recv_into(dest[pos:])
+
+    def skip(self, nbytes: int) -> None:
+        """Discard the next ``nbytes`` bytes."""
+        while nbytes:
+            step = min(nbytes, len(self._scratch))
+            self.into(memoryview(self._scratch)[:step])
+            nbytes -= step
+
+    def finish(self) -> None:
+        """Consume a trailing CRLF still owed; the reader must then hold nothing."""
+        if self._owed:
+            self.exact(0)
+        if self._buf:
+            raise ProtocolError(f"{len(self._buf)} unexpected bytes after the replies")
+
+    # ---- replies ------------------------------------------------------------------------
+    def simple(self) -> Any:
+        """One reply that is not a page: status, integer, error, bulk, array or nil."""
+        text = self.line()
+        kind, body = text[:1], text[1:]
+        if kind == b"+":
+            return body.decode()
+        if kind == b":":
+            return int(body)
+        if kind == b"-":
+            return ServerError(body.decode(errors="replace"))
+        if kind == b"$":
+            size = int(body)
+            if size < 0:
+                return MISS
+            data = self.exact(size)
+            self._owed = 2
+            return data
+        if kind == b"*":
+            count = int(body)
+            return MISS if count < 0 else [self.simple() for _ in range(count)]
+        raise ProtocolError(f"unexpected reply {text[:40]!r}")
+
+    def page(self, header_bytes: int, dest: memoryview) -> bytes | int | ServerError | None:
+        """One GET reply of a ``header + len(dest)`` record: the header (payload now in
+        ``dest``), ``MISS``, the length of a value of another size (skipped), or an error."""
+        expected = header_bytes + len(dest)
+        text = self.line(window=len(b"$%d\r\n" % expected) + header_bytes)
+        kind, body = text[:1], text[1:]
+        if kind == b"-":
+            return ServerError(body.decode(errors="replace"))
+        if kind != b"$":
+            raise ProtocolError(f"unexpected reply to GET {text[:40]!r}")
+        size = int(body)
+        if size < 0:
+            return MISS
+        if size != expected:
+            self.skip(size)
+            self._owed = 2
+            return size
+        header = self.exact(header_bytes)
+        self.into(dest)
+        self._owed = 2
+        return header

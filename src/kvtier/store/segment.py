@@ -1,0 +1,168 @@
+"""Segment files of the ``file://`` store: the record layout and the store's manifest.
+
+Owns ``RecordLayout`` (where a page's header, chunk-checksum table and payload sit inside a
+segment, and how a record is encoded and verified) and the manifest (``kvtier-store.json``)
+that fixes the layout of a store directory once, at creation. Pure arithmetic and small file
+operations; called from IO worker threads and from the thread that opens the store.
+
+A segment is one append-only file of fixed-size slots, ``segments/<id>.seg``; slot ``s`` starts
+at ``s * record_bytes``. A record is::
+
+    [64-byte header (kvtier.store.record)][chunk table][pad to 64][payload][pad to align]
+
+The header's checksum covers the whole payload (what a full read verifies). Pages larger than
+one chunk (64 KiB) also carry a table of xxh3 checksums, one per chunk, so a partial read (a
+pipeline stage's layers) verifies only the chunks it reads. Records start at multiples of
+``align`` (512 B, or 4 KiB for pages of 256 KiB and more), so O_DIRECT can read them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import xxhash
+
+from kvtier.errors import LayoutMismatch, StoreUnavailable
+from kvtier.store.record import HEADER_BYTES, Verdict, decode_header, encode_header
+
+MANIFEST = "kvtier-store.json"
+FORMAT = "kvtier-file-store"
+FORMAT_VERSION = 1
+CHUNK_BYTES = 64 << 10
+SEGMENT_SUFFIX = ".seg"
+
+
+def round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+@dataclass(frozen=True)
+class RecordLayout:
+    """The fixed geometry of every record and segment of one store directory."""
+
+    page_bytes: int
+    align: int
+    slots: int  # records per segment
+    chunk_bytes: int = CHUNK_BYTES
+
+    @classmethod
+    def plan(cls, page_bytes: int, segment_bytes: int, max_bytes: int | None) -> RecordLayout:
+        """The layout for a new store: segments of about ``segment_bytes``, and small enough
+        that the byte cap holds at least 8 of them (eviction frees one segment at a time)."""
+        align = 4096 if page_bytes >= 256 << 10 else 512
+        probe = cls(page_bytes, align, 1)
+        slots = max(1, segment_bytes // probe.record_bytes)
+        if max_bytes:
+            slots = max(1, min(slots, max_bytes // (8 * probe.record_bytes)))
+        return cls(page_bytes, align, slots)
+
+    @property
+    def chunks(self) -> int:
+        """Entries of the chunk table (0: a page of one chunk needs none)."""
+        return 0 if self.page_bytes <= self.chunk_bytes else -(-self.page_bytes // self.chunk_bytes)
+
+    @property
+    def payload_offset(self) -> int:
+        return round_up(HEADER_BYTES + 8 * self.chunks, 64)
+
+    @property
+    def record_bytes(self) -> int:
+        return round_up(self.payload_offset + self.page_bytes, self.align)
+
+    @property
+    def segment_bytes(self) -> int:
+        return self.slots * self.record_bytes
+
+    def offset(self, slot: int) -> int:
+        return slot * self.record_bytes
+
+    # ---- encoding ----------------------------------------------------------------------
+    def encode_prefix(self, key: bytes, payload: memoryview) -> bytes:
+        """Header, chunk table and padding: the ``payload_offset`` bytes before the payload."""
+        table = b"".join(struct.pack("<Q", xxhash.xxh3_64_intdigest(payload[a:a + self.chunk_bytes]))
+                         for a in range(0, self.page_bytes, self.chunk_bytes)) if self.chunks else b""
+        prefix = encode_header(key, payload) + table
+        return prefix + bytes(self.payload_offset - len(prefix))
+
+    def verify(self, prefix: memoryview | bytes, key: bytes, payload: memoryview,
+               check_payload: bool = True) -> Verdict:
+        """Check a record read back: header intact, right key and length, payload checksum
+        (skipped when ``check_payload`` is False: header-only verification)."""
+        decoded = decode_header(prefix[:HEADER_BYTES])
+        if decoded is None:
+            return Verdict.TORN
+        stored_key, length, digest = decoded
+        if stored_key != key:
+            return Verdict.FOREIGN
+        if length != self.page_bytes:
+            return Verdict.CORRUPT
+        if check_payload and xxhash.xxh3_64_intdigest(payload) != digest:
+            return Verdict.CORRUPT
+        return Verdict.OK
+
+    def chunk_digest(self, prefix: memoryview | bytes, chunk: int) -> int:
+        """The stored checksum of chunk ``chunk`` (pages with a chunk table only)."""
+        start = HEADER_BYTES + 8 * chunk
+        return struct.unpack("<Q", prefix[start:start + 8])[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Manifest
+# ---------------------------------------------------------------------------------------------
+
+
+def load_or_create_manifest(root: Path, page_bytes: int, segment_bytes: int,
+                            max_bytes: int | None) -> RecordLayout:
+    """The layout recorded in ``root``'s manifest, creating it (atomically) for a new store."""
+    path = root / MANIFEST
+    if not path.exists():
+        layout = RecordLayout.plan(page_bytes, segment_bytes, max_bytes)
+        body = {"format": FORMAT, "version": FORMAT_VERSION, **asdict(layout)}
+        tmp = root / f".{MANIFEST}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(body, indent=2) + "\n")
+        try:
+            os.link(tmp, path)  # atomic; loses to a concurrent creator, whose manifest we read
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
+    return read_manifest(root, page_bytes)
+
+
+def read_manifest(root: Path, page_bytes: int | None = None) -> RecordLayout:
+    """The layout of an existing store; ``page_bytes`` (when given) must match it."""
+    path = root / MANIFEST
+    try:
+        body = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise StoreUnavailable(f"{path}: not a readable kvtier store manifest ({exc})") from None
+    if body.get("format") != FORMAT or body.get("version") != FORMAT_VERSION:
+        raise StoreUnavailable(f"{path}: format {body.get('format')!r} v{body.get('version')} "
+                               f"is not {FORMAT} v{FORMAT_VERSION}")
+    layout = RecordLayout(body["page_bytes"], body["align"], body["slots"], body["chunk_bytes"])
+    if page_bytes is not None and layout.page_bytes != page_bytes:
+        raise LayoutMismatch(f"{root} holds pages of {layout.page_bytes} bytes, "
+                             f"not {page_bytes}")
+    return layout
+
+
+def segment_path(directory: Path, seg: int) -> Path:
+    return directory / f"{seg:010d}{SEGMENT_SUFFIX}"
+
+
+def list_segments(directory: Path) -> dict[int, int]:
+    """Segment id -> file size for every segment file in ``directory``."""
+    found: dict[int, int] = {}
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            name = entry.name
+            if name.endswith(SEGMENT_SUFFIX) and name[:-len(SEGMENT_SUFFIX)].isdigit():
+                try:
+                    found[int(name[:-len(SEGMENT_SUFFIX)])] = entry.stat().st_size
+                except FileNotFoundError:
+                    continue  # evicted while we looked
+    return found

@@ -1,0 +1,195 @@
+"""Open segment files of one ``file://`` store handle: pinned read descriptors and the segment
+this process appends to.
+
+Owns ``SegmentReaders`` (a bounded cache of read-only descriptors; a read pins its segment, so
+an eviction that unlinks the file never pulls the bytes from under it: the descriptor keeps the
+inode alive until the last reader lets go) and ``SegmentWriter`` (hands out slots of this
+process's own active segment to concurrent writer threads; the segment is held with an exclusive
+``flock`` while it can still receive records, which tells other processes not to evict or clean
+it). Both are thread-safe; called from IO worker threads.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvtier.store.segment import RecordLayout, segment_path
+
+
+class SegmentReaders:
+    """Read descriptors by segment id, at most ``max_open`` kept open while unpinned."""
+
+    def __init__(self, directory: Path, *, direct: bool = False, max_open: int = 256) -> None:
+        self.directory = directory
+        self.flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
+        self.max_open = max_open
+        self._lock = threading.Lock()
+        self._fds: OrderedDict[int, list[int]] = OrderedDict()  # seg -> [fd, pins]
+        self._retired: set[int] = set()
+
+    def pin(self, seg: int) -> int | None:
+        """A descriptor of segment ``seg``, held open until ``unpin``; None if it is gone."""
+        with self._lock:
+            slot = self._fds.get(seg)
+            if slot is None:
+                if seg in self._retired:
+                    return None
+                try:
+                    fd = os.open(segment_path(self.directory, seg), self.flags)
+                except FileNotFoundError:
+                    return None
+                slot = self._fds[seg] = [fd, 1]
+                self._trim()
+            else:
+                self._fds.move_to_end(seg)
+                slot[1] += 1
+            return slot[0]
+
+    def unpin(self, seg: int) -> None:
+        with self._lock:
+            slot = self._fds[seg]
+            slot[1] -= 1
+            if slot[1] == 0 and seg in self._retired:
+                os.close(self._fds.pop(seg)[0])
+
+    def retire(self, seg: int) -> None:
+        """The segment was evicted: close its descriptor once no read holds it."""
+        with self._lock:
+            self._retired.add(seg)
+            slot = self._fds.get(seg)
+            if slot is not None and slot[1] == 0:
+                os.close(self._fds.pop(seg)[0])
+
+    def _trim(self) -> None:
+        if len(self._fds) <= self.max_open:
+            return
+        for seg in [s for s, (_, pins) in self._fds.items() if pins == 0]:
+            os.close(self._fds.pop(seg)[0])
+            if len(self._fds) <= self.max_open // 2:
+                return
+
+    def close(self) -> None:
+        with self._lock:
+            for fd, _ in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+@dataclass
+class _Active:
+    seg: int
+    fd: int
+    direct_fd: int | None
+    next_slot: int = 0
+    in_flight: int = 0
+    full: bool = False
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one record goes: segment id, slot, and the descriptor to write it through."""
+
+    seg: int
+    slot: int
+    fd: int
+
+
+@dataclass
+class SegmentWriter:
+    """Reserves slots in this process's active segment; starts a new one when it fills."""
+
+    directory: Path
+    layout: RecordLayout
+    next_id: Callable[[], int]  # lowest id worth trying for a new segment
+    direct: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _open: dict[int, _Active] = field(default_factory=dict)
+    _current: _Active | None = None
+
+    def reserve(self, count: int) -> list[Slot]:
+        """``count`` slots, in order; pair each with ``release`` once its record is journaled.
+
+        Raises OSError when a new segment cannot be created (ENOSPC, EIO).
+        """
+        slots: list[Slot] = []
+        with self._lock:
+            while len(slots) < count:
+                active = self._current
+                if active is None or active.full:
+                    active = self._current = self._create()
+                    self._open[active.seg] = active
+                take = min(count - len(slots), self.layout.slots - active.next_slot)
+                fd = active.direct_fd if active.direct_fd is not None else active.fd
+                slots += [Slot(active.seg, s, fd)
+                          for s in range(active.next_slot, active.next_slot + take)]
+                active.next_slot += take
+                active.in_flight += take
+                active.full = active.next_slot >= self.layout.slots
+        return slots
+
+    def release(self, slots: list[Slot]) -> None:
+        """The records in ``slots`` are journaled (or abandoned); seal segments that are done."""
+        with self._lock:
+            for slot in slots:
+                active = self._open[slot.seg]
+                active.in_flight -= 1
+                if active.full and active.in_flight == 0:
+                    self._seal(active)
+
+    def active_ids(self) -> set[int]:
+        with self._lock:
+            return set(self._open)
+
+    def abandon_current(self) -> None:
+        """Stop appending to the current segment (after a write error on it)."""
+        with self._lock:
+            if self._current is not None:
+                self._current.full = True
+                if self._current.in_flight == 0:
+                    self._seal(self._current)
+
+    def _create(self) -> _Active:
+        seg = self.next_id()
+        while True:
+            path = segment_path(self.directory, seg)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                seg += 1
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            direct_fd = os.open(path, os.O_WRONLY | os.O_DIRECT) if self.direct else None
+            return _Active(seg, fd, direct_fd)
+
+    def _seal(self, active: _Active) -> None:
+        self._open.pop(active.seg, None)
+        if active.direct_fd is not None:
+            os.close(active.direct_fd)
+        os.close(active.fd)  # closing drops the flock: the segment may now be evicted
+
+    def close(self) -> None:
+        with self._lock:
+            for active in list(self._open.values()):
+                self._seal(active)
+            self._current = None
+
+
+def owned_by_a_writer(directory: Path, seg: int) -> bool:
+    """True while some process (this one included) may still append to segment ``seg``."""
+    try:
+        fd = os.open(segment_path(directory, seg), os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False

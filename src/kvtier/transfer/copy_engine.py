@@ -1,0 +1,218 @@
+"""The copy engine: moves pages between the device pool and the host pool, off the compute stream.
+
+Owns ``CopyEngine`` and ``Ticket``. The API the controller uses::
+
+    engine = CopyEngine(device_pool, host_pool)
+    ticket = engine.load(host_ids, device_ids, layers=None)   # host -> device
+    ticket = engine.store(device_ids, host_ids)               # device -> host
+    ticket.is_done(); ticket.wait(timeout_s) -> bool          # never raises on a timeout
+
+On CUDA every submit checks the batch (``plan.make_plan``: ids in range, no destination twice,
+matching layouts), makes a side stream wait for work already queued on the caller's current
+stream (so a store copies finished KV, and a load never overwrites pages still being read),
+launches one Triton kernel there and records an event. Loads and stores use two side streams so
+that both can run at once. Nothing on the submitting thread ever waits for the device: ``wait``
+polls the event with a short sleep up to its timeout, and a consumer that needs the pages on a
+stream calls ``ticket.stream_wait()`` (a device-side dependency, no host wait).
+``load_layerwise`` launches one kernel per layer with an event after each, so layer ``l`` of a
+forward pass can start as soon as its own KV has arrived (``ticket.stream_wait(layer=l)``).
+
+Without CUDA (or with ``use_kernels=False``) the torch reference runs synchronously and tickets
+are done at once. Submits come from one thread (the engine thread); tickets may be polled from
+any thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvtier.errors import LayoutMismatch
+from kvtier.transfer.plan import (
+    CopyPlan,
+    PoolGeometry,
+    device_geometry,
+    host_geometry,
+    layer_range,
+    make_plan,
+)
+from kvtier.transfer.reference import reference_copy
+
+_FIRST_POLL_S = 20e-6
+_LONGEST_POLL_S = 1e-3
+
+Layers = int | Sequence[int] | range | None
+
+
+class Ticket:
+    """One submitted copy. ``is_done``/``wait`` ask whether its bytes have all landed."""
+
+    __slots__ = ("_events", "_layer0", "direction", "nbytes", "num_pages")
+
+    def __init__(self, direction: str, num_pages: int, nbytes: int,
+                 events: list[Any] | None = None, layer0: int = 0) -> None:
+        self.direction = direction
+        self.num_pages = num_pages
+        self.nbytes = nbytes
+        self._events = events or []
+        self._layer0 = layer0
+
+    def is_done(self) -> bool:
+        """Whether every byte has landed (never blocks)."""
+        return all(event.query() for event in self._events[-1:])
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds (None: no limit); True once done, False on timeout."""
+        return self._poll(self._events[-1:], timeout)
+
+    def layer_done(self, layer: int) -> bool:
+        """Whether layer ``layer`` has landed (a per-layer ticket; others: the whole copy)."""
+        return self._poll(self._layer_event(layer), 0.0)
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> bool:
+        return self._poll(self._layer_event(layer), timeout)
+
+    def stream_wait(self, stream: Any = None, layer: int | None = None) -> None:
+        """Make ``stream`` (default: the current one) wait for this copy, or for one layer of a
+        per-layer ticket, on the device; the calling thread does not wait."""
+        events = self._events[-1:] if layer is None else self._layer_event(layer)
+        if not events:
+            return
+        target = stream if stream is not None else torch.cuda.current_stream()
+        target.wait_event(events[0])
+
+    def _layer_event(self, layer: int) -> list[Any]:
+        if len(self._events) <= 1:
+            return self._events
+        index = layer - self._layer0
+        if not 0 <= index < len(self._events):
+            raise IndexError(f"layer {layer} is not part of this copy")
+        return [self._events[index]]
+
+    @staticmethod
+    def _poll(events: list[Any], timeout: float | None) -> bool:
+        if not events or events[0].query():
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = _FIRST_POLL_S
+        while not events[0].query():
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                pause = min(pause, left)
+            time.sleep(pause)
+            pause = min(pause * 2, _LONGEST_POLL_S)
+        return True
+
+
+class CopyEngine:
+    """Copies between one ``DevicePool`` and one ``HostPool`` (see the module docstring).
+
+    ``load_config`` / ``store_config`` (``kernels.KernelConfig``) set each direction's launch
+    shape; a grid cap below the chip lets a load and a store share it.
+    """
+
+    def __init__(self, device_pool: Any, host_pool: Any, *, use_kernels: bool | None = None,
+                 load_config: Any = None, store_config: Any = None) -> None:
+        if device_pool.layout != host_pool.layout:
+            raise LayoutMismatch(f"device pool {device_pool.layout.fingerprint()} vs host pool "
+                                 f"{host_pool.layout.fingerprint()}")
+        self._device_pool = device_pool
+        self._host_pool = host_pool
+        self._device_geo: PoolGeometry = device_geometry(device_pool.layout, device_pool.num_pages)
+        self._host_geo: PoolGeometry = host_geometry(host_pool.layout, host_pool.num_pages,
+                                                     host_pool.host_layout)
+        self._device = device_pool.kv.device
+        on_cuda = self._device.type == "cuda"
+        self._use_kernels = on_cuda if use_kernels is None else use_kernels
+        self._configs = {"load": load_config, "store": store_config}
+        self._streams = ({"load": torch.cuda.Stream(self._device),
+                          "store": torch.cuda.Stream(self._device)} if on_cuda else {})
+        self._counts = {"load": [0, 0, 0], "store": [0, 0, 0]}  # batches, pages, bytes
+
+    @property
+    def uses_kernels(self) -> bool:
+        return self._use_kernels
+
+    def load(self, host_ids: Any, device_ids: Any, layers: Layers = None) -> Ticket:
+        """Copy pages ``host_ids[i]`` of the host pool to ``device_ids[i]`` of the device pool
+        (all layers, or a contiguous ``layers`` range), in one launch."""
+        plan = make_plan("load", self._host_geo, self._device_geo, host_ids, device_ids, layers)
+        return self._submit(plan, [(plan.layer_start, plan.layer_count)])
+
+    def load_layerwise(self, host_ids: Any, device_ids: Any, layers: Layers = None) -> Ticket:
+        """Like ``load``, one launch and one event per layer, so the model can start on layer
+        ``l`` once ``ticket.stream_wait(layer=l)`` is satisfied."""
+        plan = make_plan("load", self._host_geo, self._device_geo, host_ids, device_ids, layers)
+        start, count = layer_range(layers, self._device_geo.num_layers)
+        return self._submit(plan, [(layer, 1) for layer in range(start, start + count)])
+
+    def store(self, device_ids: Any, host_ids: Any, layers: Layers = None) -> Ticket:
+        """Copy pages ``device_ids[i]`` of the device pool to ``host_ids[i]`` of the host pool."""
+        plan = make_plan("store", self._device_geo, self._host_geo, device_ids, host_ids, layers)
+        return self._submit(plan, [(plan.layer_start, plan.layer_count)])
+
+    def _submit(self, plan: CopyPlan, spans: list[tuple[int, int]]) -> Ticket:
+        counts = self._counts[plan.direction]
+        counts[0] += 1
+        counts[1] += plan.num_pages
+        counts[2] += plan.nbytes
+        if plan.num_pages == 0:
+            return Ticket(plan.direction, 0, 0)
+        if not self._streams:
+            for start, count in spans:
+                self._run_now(_with_layers(plan, start, count))
+            return Ticket(plan.direction, plan.num_pages, plan.nbytes)
+        events = self._launch_on_side_stream(plan, spans)
+        return Ticket(plan.direction, plan.num_pages, plan.nbytes, events, spans[0][0])
+
+    def _run_now(self, plan: CopyPlan) -> None:
+        if self._use_kernels:
+            from kvtier.transfer.kernels import launch_copy
+
+            launch_copy(plan, self._device_pool.kv, self._host_pool.buffer,
+                        self._configs[plan.direction])
+        else:
+            reference_copy(plan, self._device_pool.kv, self._host_pool.buffer,
+                           self._host_pool.host_layout)
+
+    def _launch_on_side_stream(self, plan: CopyPlan, spans: list[tuple[int, int]]) -> list[Any]:
+        from kvtier.transfer.kernels import launch_copy, upload_ids
+
+        stream = self._streams[plan.direction]
+        stream.wait_stream(torch.cuda.current_stream(self._device))
+        events = []
+        with torch.cuda.stream(stream):
+            ids = upload_ids(plan, self._device) if self._use_kernels else None
+            for start, count in spans:
+                part = _with_layers(plan, start, count)
+                if self._use_kernels:
+                    launch_copy(part, self._device_pool.kv, self._host_pool.buffer,
+                                self._configs[plan.direction], ids=ids)
+                else:
+                    reference_copy(part, self._device_pool.kv, self._host_pool.buffer,
+                                   self._host_pool.host_layout)
+                event = torch.cuda.Event()
+                event.record(stream)
+                events.append(event)
+        return events
+
+    def stats(self) -> dict[str, Any]:
+        """Batches, pages and bytes submitted per direction, and the path in use."""
+        out: dict[str, Any] = {"path": "triton" if self._use_kernels else "torch_reference",
+                               "device": str(self._device)}
+        for direction, (batches, pages, nbytes) in self._counts.items():
+            out[f"{direction}_batches"] = batches
+            out[f"{direction}_pages"] = pages
+            out[f"{direction}_bytes"] = nbytes
+        return out
+
+
+def _with_layers(plan: CopyPlan, start: int, count: int) -> CopyPlan:
+    if (start, count) == (plan.layer_start, plan.layer_count):
+        return plan
+    return CopyPlan(plan.direction, plan.src, plan.dst, plan.src_ids, plan.dst_ids, start, count)

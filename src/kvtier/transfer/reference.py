@@ -1,0 +1,71 @@
+"""The torch reference of the page copies: the CPU fallback and the kernels' correctness oracle.
+
+Owns ``reference_copy``: it moves the parts a ``CopyPlan`` names between the device pool tensor
+and the host pool's flat byte buffer with plain tensor indexing over shaped byte views (it does
+not use the plan's strides, so it checks the kernels' address arithmetic independently). Runs on
+the calling thread and is synchronous on the CPU; on CUDA tensors torch orders it on the current
+stream.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvtier.transfer.plan import CopyPlan
+
+
+def device_part_view(device_kv: torch.Tensor) -> torch.Tensor:
+    """The device pool as bytes, shaped ``[num_layers, parts, num_pages, part_bytes]``."""
+    if not device_kv.is_contiguous():
+        raise ValueError("the device pool tensor must be contiguous")
+    layers, parts, pages = device_kv.shape[:3]
+    return device_kv.view(torch.uint8).view(layers, parts, pages, -1)
+
+
+def host_part_view(host_buffer: torch.Tensor, host_layout: str, num_layers: int, parts: int,
+                   num_pages: int) -> torch.Tensor:
+    """The host pool as bytes: ``[pages, layers, parts, part_bytes]`` (page_first) or
+    ``[layers, pages, parts, part_bytes]`` (layer_first)."""
+    if host_buffer.dtype != torch.uint8 or host_buffer.dim() != 1:
+        raise ValueError("the host pool buffer must be a flat uint8 tensor")
+    if host_layout == "page_first":
+        return host_buffer.view(num_pages, num_layers, parts, -1)
+    if host_layout == "layer_first":
+        return host_buffer.view(num_layers, num_pages, parts, -1)
+    raise ValueError(f"unknown host layout {host_layout!r}")
+
+
+def reference_copy(plan: CopyPlan, device_kv: torch.Tensor, host_buffer: torch.Tensor,
+                   host_layout: str) -> None:
+    """Carry out ``plan`` with torch indexing (load: host -> device; store: device -> host)."""
+    if plan.num_pages == 0:
+        return
+    device = device_part_view(device_kv)
+    host_pages = plan.src.num_pages if plan.direction == "load" else plan.dst.num_pages
+    host = host_part_view(host_buffer, host_layout, device.shape[0], device.shape[1], host_pages)
+    l0, l1 = plan.layer_start, plan.layer_start + plan.layer_count
+    src_ids = torch.from_numpy(plan.src_ids)
+    dst_ids = torch.from_numpy(plan.dst_ids)
+    if plan.direction == "load":
+        parts = _host_gather(host, host_layout, src_ids, l0, l1)  # [layers, parts, n, bytes]
+        device[l0:l1, :, dst_ids.to(device.device)] = parts.to(device.device)
+    else:
+        parts = device[l0:l1, :, src_ids.to(device.device)].to(host.device)
+        _host_scatter(host, host_layout, dst_ids, l0, l1, parts)
+
+
+def _host_gather(host: torch.Tensor, host_layout: str, ids: torch.Tensor, l0: int,
+                 l1: int) -> torch.Tensor:
+    if host_layout == "page_first":
+        return host[ids, l0:l1].permute(1, 2, 0, 3)
+    return host[l0:l1, ids].permute(0, 2, 1, 3)
+
+
+def _host_scatter(host: torch.Tensor, host_layout: str, ids: torch.Tensor, l0: int, l1: int,
+                  parts: Any) -> None:
+    if host_layout == "page_first":
+        host[ids, l0:l1] = parts.permute(2, 0, 1, 3)
+    else:
+        host[l0:l1, ids] = parts.permute(0, 2, 1, 3)

@@ -1,0 +1,66 @@
+"""``kvtier serve`` as a user starts it: a separate process, flags, the printed how-to, shutdown."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+from kvtier.commands.serve import how_to_call
+from kvtier.config import build_config
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"kvtier serve exited early: {proc.stdout.read()}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError("kvtier serve did not become healthy")
+
+
+def test_kvtier_serve_runs_with_the_disk_tier_and_stops_on_interrupt(tmp_path):
+    port = _free_port()
+    env = {**os.environ, "KVTIER_SERVER__PORT": str(port)}
+    cmd = [sys.executable, "-m", "kvtier", "serve", "--engine.device", "cpu",
+           "--disk", f"file://{tmp_path}/disk", "--host-pool-bytes", "8MiB",
+           "--cache.device_pages", "64", "--page-size", "16"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, proc)
+        body = {"model": "tiny-llama", "prompt": "x " * 40, "max_tokens": 2, "temperature": 0}
+        first = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+        again = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+        assert first["choices"][0]["text"] == again["choices"][0]["text"]
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
+    finally:
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, output
+    assert f"kvtier serving tiny-llama at {url}" in output
+    assert "/v1/completions" in output
+
+
+def test_how_to_call_mentions_the_key_only_when_one_is_set():
+    open_config = build_config(env={})
+    keyed = build_config(env={}, flags={"server.api_key": "k"})
+    assert "Authorization" not in how_to_call("http://h:1", open_config, "m")
+    assert "Authorization: Bearer $KEY" in how_to_call("http://h:1", keyed, "m")
