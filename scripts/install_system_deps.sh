@@ -5,6 +5,7 @@ set -euo pipefail
 missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 command -v redis-benchmark >/dev/null 2>&1 || missing+=(redis-tools)
+command -v openssl >/dev/null 2>&1 || missing+=(openssl)  # test certificates for rediss://
 [ ${#missing[@]} -eq 0 ] && exit 0
 SUDO=""
 [ "$(id -u)" -ne 0 ] && SUDO="sudo"

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine_support import tiny_lm
 
 from kvtier.engine import kv_pages
 from kvtier.engine.hf import load_model
 from kvtier.engine.presets import PRESETS, TOKENIZER_DIR, resolve_model
 from kvtier.errors import ConfigError, LayoutMismatch
+from test_engine_support import tiny_lm
 
 
 def _prompt(n: int, seed: int = 0) -> torch.Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import openai
 import pytest
+
 from test_engine_support import make_config, running_server
 
 SYSTEM = ("You are a careful assistant. Answer in one short sentence, cite nothing, and keep the "

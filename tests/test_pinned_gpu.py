@@ -74,6 +74,10 @@ def test_refused_registration_falls_back_without_poisoning_cuda(monkeypatch):
         taken.append(ptr)
         return real(ptr, nbytes)  # so ours is refused by the driver
 
+    kept: list = []  # the collided buffer stays alive until its registration is removed
+    real_empty = host_bytes_mod.aligned_empty
+    monkeypatch.setattr(host_bytes_mod, "aligned_empty",
+                        lambda n: kept.append(real_empty(n)) or kept[-1])
     monkeypatch.setattr(host_bytes_mod, "_register", collide)
     budget = PinnedBudget(1 << 30)
     host = allocate_host_bytes(budget, "ring", 5000)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 
@@ -10,10 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.cli import main
+from kvtier.commands import plan as plan_command
 from kvtier.layout import KVLayout
 from kvtier.planner import (
     PlanInputs,
     StoreRates,
+    inputs_from_config,
     load_tokens_per_s,
     plan,
     read_ring_slots_for,
@@ -162,8 +165,21 @@ def test_split_is_page_aligned_and_never_slower_than_either_extreme(pages, page_
 # ---- kvtier plan -----------------------------------------------------------------------------
 
 
+def run_plan(argv: list[str]) -> int:
+    """``kvtier plan ARGV`` through the command's own parser (other commands not imported)."""
+    parser = argparse.ArgumentParser(prog="kvtier")
+    plan_command.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["plan", *argv])
+    return args.handler(args)
+
+
+def test_plan_is_a_kvtier_subcommand(capsys):
+    assert main(["plan", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["fits_budget"] is True
+
+
 def test_plan_command_prints_json_with_the_sizing_keys(capsys):
-    rc = main(["plan", "--json", "--host.pool_bytes", "1GiB", "--disk-write-bw", "2GB/s",
+    rc = run_plan(["--json", "--host.pool_bytes", "1GiB", "--disk-write-bw", "2GB/s",
                "--disk-read-bw", "1.5GB/s", "--prefill-tokens-per-s", "1000"])
     data = json.loads(capsys.readouterr().out)
     assert rc == 0
@@ -174,22 +190,32 @@ def test_plan_command_prints_json_with_the_sizing_keys(capsys):
 
 
 def test_plan_command_refuses_unsustainable_write_through(capsys):
-    rc = main(["plan", "--disk-write-bw", "100MB/s", "--prefill-tokens-per-s", "28000"])
+    rc = run_plan(["--disk-write-bw", "100MB/s", "--prefill-tokens-per-s", "28000"])
     out = capsys.readouterr().out
     assert rc == 1
     assert "backpressure is needed" in out and "none is correct" in out
 
 
 def test_plan_command_fails_when_pool_exceeds_pinned_budget(capsys):
-    rc = main(["plan", "--host.pool_bytes", "16GiB", "--host.pinned_budget_bytes", "8GiB"])
+    rc = run_plan(["--host.pool_bytes", "16GiB", "--host.pinned_budget_bytes", "8GiB"])
     assert rc == 1 and "DOES NOT FIT" in capsys.readouterr().out
 
 
 def test_plan_probe_measures_host_and_disk(capsys, tmp_path):
-    rc = main(["plan", "--json", "--probe", "--probe-bytes", "8MiB", "--probe-dir",
+    rc = run_plan(["--json", "--probe", "--probe-bytes", "8MiB", "--probe-dir",
                str(tmp_path), "--prefill-tokens-per-s", "1"])
     data = json.loads(capsys.readouterr().out)
     assert rc == 0
     assert data["probed"]["host-bw"] > 0 and data["probed"]["disk-read-bw"] > 0
     assert data["consumers"][0]["write_bytes_per_s"] == data["probed"]["disk-write-bw"]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_inputs_from_config_take_host_and_controller_sections():
+    from kvtier.config import build_config
+
+    config = build_config(env={}, flags={"host.pool_bytes": "1GiB", "host.prefetch_share": "0.25",
+                                         "controller.io_workers": "3"})
+    got = plan(inputs_from_config(config, LLAMA8B))
+    assert got.host_pages == 128 and got.staging_capacity_pages == 96
+    assert got.read_ring_slots == 3

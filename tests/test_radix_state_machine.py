@@ -100,7 +100,8 @@ class IndexModel(RuleBasedStateMachine):
             self.index.free(tier, result.unused_ids)
 
     @precondition(lambda self: any(self.model.values()))
-    @rule(tail=st.lists(st.integers(0, 2), min_size=1, max_size=2).map(tuple), tier=tier_st, data=st.data())
+    @rule(tail=st.lists(st.integers(0, 2), min_size=1, max_size=2).map(tuple), tier=tier_st,
+          data=st.data())
     def extend_known(self, tail: Prefix, tier: str, data: st.DataObject) -> None:
         """Insert below a prefix some tier holds (node boundaries and splits get exercised)."""
         known = sorted((salt, prefix) for (salt, _t), table in self.model.items() for prefix in table)

@@ -7,6 +7,7 @@ import json
 
 import httpx
 import pytest
+
 from test_engine_support import make_config, running_server
 
 
@@ -145,8 +146,8 @@ def test_queue_limit_answers_429():
     config = make_config(cache__enabled="false", server__max_concurrent_requests=1)
     body = {"model": "tiny-llama", "prompt": "x", "max_tokens": 200, "temperature": 0,
             "ignore_eos": True}
-    with running_server(config, max_running=1) as (_, url):
-        with concurrent.futures.ThreadPoolExecutor(6) as pool:
-            codes = sorted(pool.map(lambda _: _post(url, "/v1/completions", body).status_code,
-                                    range(6)))
+    with running_server(config, max_running=1) as (_, url), \
+            concurrent.futures.ThreadPoolExecutor(6) as pool:
+        codes = sorted(pool.map(lambda _: _post(url, "/v1/completions", body).status_code,
+                                range(6)))
     assert codes[0] == 200 and 429 in codes

@@ -196,3 +196,14 @@ def test_bad_options_are_config_errors(tmp_path: Path, query: str) -> None:
 def test_url_must_name_a_local_directory() -> None:
     with pytest.raises(ConfigError):
         open_store("file://otherhost/x", page_bytes=PAGE)
+
+
+def test_read_path_header_decoder_agrees_with_the_record_module() -> None:
+    from kvtier.store.record import decode_header, encode_header
+    from kvtier.store.segment import _HEADER
+
+    payload = page_bytes_for(3, 100)
+    header = encode_header(key_for(3), payload)
+    magic, version, size, _flags, length, digest, key, _crc = _HEADER.unpack_from(header)
+    assert (key, length, digest) == decode_header(header)
+    assert (magic, size) == (b"KVTR", 64)

@@ -14,12 +14,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from redis_server import REDIS_CLI, RedisClusterNodes, RedisServer, needs_redis, running_cluster, running_server
-from store_contract import StoreContract
 
 from kvtier.store import open_store
 from kvtier.store.base import PageStore
 from kvtier.store.redis import RedisStore
+from redis_server import (
+    REDIS_CLI,
+    RedisClusterNodes,
+    RedisServer,
+    needs_redis,
+    running_cluster,
+    running_server,
+)
+from store_contract import StoreContract
 
 pytestmark = [needs_redis, pytest.mark.redis]
 _prefixes = itertools.count()

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from redis_server import REDIS_CLI, RedisServer, needs_redis, running_cluster, running_server
-from store_contract import key_for, page_bytes_for
 
 from kvtier.errors import ConfigError
 from kvtier.store import open_store
 from kvtier.store.record import encode_header
 from kvtier.store.redis import RedisStore
+from redis_server import REDIS_CLI, RedisServer, needs_redis, running_cluster, running_server
+from store_contract import key_for, page_bytes_for
 
 pytestmark = [needs_redis, pytest.mark.redis]
 
@@ -110,17 +110,18 @@ def test_scan_page_count_is_exact_for_the_prefix(server: RedisServer) -> None:
 def test_lru_eviction_is_reported_in_stats(tmp_path: Path) -> None:
     page = 64 << 10
     extra = ["--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru"]
-    with running_server(tmp_path / "lru", extra=extra) as srv, open_redis(srv.url(), page) as store:
+    with running_server(tmp_path / "lru", extra=extra) as srv, \
+            open_redis(srv.url(), page, batch_bytes=page) as store:
         for start in range(0, 160, 16):
             batch = list(range(start, start + 16))
-            store.write([key_for(i) for i in batch], [page_bytes_for(i, page) for i in batch])
+            assert all(store.write([key_for(i) for i in batch],
+                                   [page_bytes_for(i, page) for i in batch]))
         stats = store.stats()
         info = store.server_info()[0]
-        found = read(store, list(range(160)), page)
+        assert read(store, [159, 0], page) == [page_bytes_for(159, page), None]
+        assert store.stats().corrupt == 0
     assert stats.evicted > 0 and stats.capacity_bytes == 4 << 20
     assert info["maxmemory_policy"] == "allkeys-lru"
-    assert found[-1] == page_bytes_for(159, page) and found[0] is None
-    assert store.stats().corrupt == 0
 
 
 # ---- large pages, several round trips -------------------------------------------------------
@@ -134,30 +135,27 @@ def test_large_pages_and_misses_mix_over_several_round_trips(server: RedisServer
 
 
 # ---- sharing between processes --------------------------------------------------------------
-_WRITER = """
-import sys
+_PAGES = """
+import hashlib, random, sys
 from kvtier.store import open_store
-from store_contract import key_for, page_bytes_for
-with open_store(sys.argv[1], page_bytes=int(sys.argv[2])) as store:
-    n = int(sys.argv[3])
-    ok = store.write([key_for(i) for i in range(n)], [page_bytes_for(i, int(sys.argv[2])) for i in range(n)])
-    assert all(ok), ok
+url, page, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+keys = [hashlib.sha256(b"kvtier-test-page-%d" % i).digest() for i in range(n)]  # key_for(i)
 """
-_READER = """
-import hashlib, sys
-from kvtier.store import open_store
-from store_contract import key_for
-page = int(sys.argv[2])
-with open_store(sys.argv[1], page_bytes=page) as store:
-    buffers = [bytearray(page) for _ in range(int(sys.argv[3]))]
-    found = store.read_into([key_for(i) for i in range(len(buffers))], buffers)
-    for ok, buf in zip(found, buffers):
+_WRITER = _PAGES + """
+with open_store(url, page_bytes=page) as store:
+    pages = [random.Random(i).randbytes(page) for i in range(n)]  # page_bytes_for(i, page)
+    assert all(store.write(keys, pages))
+"""
+_READER = _PAGES + """
+with open_store(url, page_bytes=page) as store:
+    buffers = [bytearray(page) for _ in range(n)]
+    for ok, buf in zip(store.read_into(keys, buffers), buffers):
         print(hashlib.sha256(buf).hexdigest() if ok else "miss")
 """
 
 
 def run_kvtier_process(code: str, *args: str) -> str:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, str(Path(__file__).parent)])}
+    env = {**os.environ, "PYTHONPATH": SRC}
     done = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from redis_server import OPENSSL, RedisServer, make_tls_material, needs_redis, running_server
-from store_contract import key_for, page_bytes_for
 
 from kvtier.errors import StoreUnavailable
 from kvtier.store import open_store
 from kvtier.store.redis import RedisStore
+from redis_server import OPENSSL, RedisServer, make_tls_material, needs_redis, running_server
+from store_contract import key_for, page_bytes_for
 
 pytestmark = [needs_redis, pytest.mark.redis]
 

@@ -1,5 +1,6 @@
-"""The Redis store's RESP reader and breaker on their own (no server): fragmented replies, page
-payloads landing in their buffers, exact consumption, deadlines, and breaker state changes."""
+"""The Redis store's RESP reader, socket channel and breaker on their own (no server): fragmented
+replies, page payloads landing in their buffers, exact consumption, deadlines on reads and on
+sends to a peer that stopped reading, and breaker state changes."""
 
 from __future__ import annotations
 
@@ -10,16 +11,8 @@ import time
 import pytest
 
 from kvtier.store.redis_breaker import CircuitBreaker
-from kvtier.store.redis_wire import (
-    Deadline,
-    DeadlineExceeded,
-    ProtocolError,
-    ReplyReader,
-    ServerError,
-    coalesce,
-    pack,
-    send_pieces,
-)
+from kvtier.store.redis_channel import Channel, Deadline, DeadlineExceeded, coalesce
+from kvtier.store.redis_wire import ProtocolError, ReplyReader, ServerError, pack
 
 HEADER = 8
 
@@ -49,7 +42,7 @@ def test_page_replies_land_in_their_buffers_however_fragmented(step: int) -> Non
     left, right = socket.socketpair()
     with left, right:
         th = feed(left, stream, step)
-        reader = ReplyReader(right, Deadline(5))
+        reader = ReplyReader(Channel(right, Deadline(5)))
         dests = [memoryview(bytearray(1000)) for _ in range(5)]
         replies = [reader.page(HEADER, d) for d in dests]
         reader.finish()
@@ -68,7 +61,7 @@ def test_reader_never_reads_past_the_header_of_a_page_reply() -> None:
     left, right = socket.socketpair()
     with left, right:
         left.sendall(b"$-1\r\n" + bulk(b"H" * HEADER + page))
-        reader = ReplyReader(right, Deadline(5))
+        reader = ReplyReader(Channel(right, Deadline(5)))
         assert reader.page(HEADER, memoryview(bytearray(5000))) is None
         dest = memoryview(bytearray(5000))
         original_into = reader.into
@@ -88,7 +81,7 @@ def test_simple_replies_cover_status_integer_error_bulk_and_array() -> None:
     left, right = socket.socketpair()
     with left, right:
         left.sendall(b"+OK\r\n:7\r\n-ERR bad\r\n" + bulk(b"info") + b"*2\r\n$1\r\n0\r\n*1\r\n$1\r\nk\r\n")
-        reader = ReplyReader(right, Deadline(5))
+        reader = ReplyReader(Channel(right, Deadline(5)))
         got = [reader.simple() for _ in range(5)]
         reader.finish()
     assert got[:2] == ["OK", 7] and isinstance(got[2], ServerError)
@@ -98,11 +91,33 @@ def test_simple_replies_cover_status_integer_error_bulk_and_array() -> None:
 def test_a_silent_peer_ends_the_read_at_the_deadline() -> None:
     left, right = socket.socketpair()
     with left, right:
-        reader = ReplyReader(right, Deadline(0.2))
+        reader = ReplyReader(Channel(right, Deadline(0.2)))
         start = time.monotonic()
         with pytest.raises((DeadlineExceeded, TimeoutError)):
             reader.simple()
         assert time.monotonic() - start < 1.0
+
+
+def test_a_send_to_a_peer_that_stopped_reading_ends_at_the_deadline() -> None:
+    left, right = socket.socketpair()
+    with left, right:
+        channel = Channel(left, Deadline(0.3))
+        start = time.monotonic()
+        with pytest.raises(DeadlineExceeded):
+            channel.send([memoryview(bytes(64 << 20))])  # far more than the socket buffers hold
+        assert time.monotonic() - start < 1.0
+        channel.release()
+        assert left.gettimeout() is None  # socketpair sockets start blocking; restored as found
+
+
+def test_channel_puts_back_the_timeout_it_found() -> None:
+    left, right = socket.socketpair()
+    with left, right:
+        right.settimeout(2.5)
+        channel = Channel(right, Deadline(1))
+        assert right.gettimeout() is None  # blocking, kernel timeouts armed per call
+        channel.release()
+        assert right.gettimeout() == 2.5
 
 
 def test_unexpected_bytes_are_a_protocol_error() -> None:
@@ -110,7 +125,7 @@ def test_unexpected_bytes_are_a_protocol_error() -> None:
     with left, right:
         left.sendall(b"?what\r\n")
         with pytest.raises(ProtocolError):
-            ReplyReader(right, Deadline(5)).simple()
+            ReplyReader(Channel(right, Deadline(5))).simple()
 
 
 def test_vectored_send_delivers_every_piece_in_order() -> None:
@@ -126,7 +141,7 @@ def test_vectored_send_delivers_every_piece_in_order() -> None:
 
         th = threading.Thread(target=drain)
         th.start()
-        send_pieces(left, pieces, Deadline(5))
+        Channel(left, Deadline(5)).send(pieces)
         th.join()
     assert bytes(received) == b"".join(bytes(p) for p in pieces)
 

@@ -21,6 +21,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvtier.commands.serve",
     "kvtier.commands.bench",
     "kvtier.commands.plan",
+    "kvtier.commands.store",
 )
 
 

@@ -19,6 +19,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvtier.config import KvtierConfig
 from kvtier.layout import KVLayout
 from kvtier.memory.admission import staging_capacity_pages
 
@@ -159,6 +160,17 @@ class PlanInputs:
     prefill_tokens_per_s: float = 0.0
     produce_tokens_per_s: float = 0.0
     stores: tuple[StoreRates, ...] = ()
+
+
+def inputs_from_config(config: KvtierConfig, layout: KVLayout, **overrides: Any) -> PlanInputs:
+    """``PlanInputs`` from the config's host and controller sections; ``overrides`` (rates,
+    stores, margins) replace any field."""
+    fields = {"layout": layout, "host_pool_bytes": config.host.pool_bytes,
+              "pinned_budget_bytes": config.host.pinned_budget_bytes,
+              "prefetch_share": config.host.prefetch_share,
+              "io_workers": config.controller.io_workers,
+              "read_ring_slots": config.host.read_ring_slots}
+    return PlanInputs(**{**fields, **overrides})
 
 
 @dataclass

@@ -10,6 +10,9 @@ from typing import Any
 
 BENCH_MODULES: tuple[str, ...] = (
     "kvtier.commands.bench_keys",
+    "kvtier.commands.bench_ttft",
+    "kvtier.commands.bench_store",
+    "kvtier.commands.bench_replay",
 )
 
 

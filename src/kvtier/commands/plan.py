@@ -16,7 +16,7 @@ from typing import Any
 
 from kvtier.config import KvtierConfig, add_config_flags, config_from_args, parse_size
 from kvtier.layout import KVLayout
-from kvtier.planner import Plan, PlanInputs, StoreRates, plan
+from kvtier.planner import Plan, PlanInputs, StoreRates, inputs_from_config, plan
 
 _RATE_FLAGS = ("host-bw", "disk-read-bw", "disk-write-bw", "remote-read-bw", "remote-write-bw")
 
@@ -91,11 +91,9 @@ def inputs_from(args: argparse.Namespace, config: KvtierConfig,
         stores.append(StoreRates("remote", rate("remote-read-bw"), rate("remote-write-bw"),
                                  args.remote_latency or probed.get("remote-latency", 0.0)))
     produce = args.produce_tokens_per_s
-    return PlanInputs(
-        layout=layout_from(args, config), host_pool_bytes=config.host.pool_bytes,
-        pinned_budget_bytes=config.host.pinned_budget_bytes,
-        prefetch_share=config.host.prefetch_share, io_workers=config.controller.io_workers,
-        pages_per_read=args.pages_per_read, read_ring_slots=config.host.read_ring_slots,
+    return inputs_from_config(
+        config, layout_from(args, config),
+        pages_per_read=args.pages_per_read,
         burst_margin=args.burst_margin, host_read_bytes_per_s=rate("host-bw"),
         prefill_tokens_per_s=args.prefill_tokens_per_s,
         produce_tokens_per_s=args.prefill_tokens_per_s if produce is None else produce,

@@ -35,16 +35,17 @@ class EngineService:
         self.scheduler.start()
 
     @classmethod
-    def build(cls, config: KvtierConfig, *, max_running: int = 4,
-              lm: CausalLM | None = None) -> EngineService:
-        """Load the model (unless given) and the cache the config asks for."""
+    def build(cls, config: KvtierConfig, *, max_running: int = 4, lm: CausalLM | None = None,
+              split: str = "plan") -> EngineService:
+        """Load the model (unless given) and the cache the config asks for; ``split`` chooses
+        how a hit is served (``plan``: the planner's load/recompute split)."""
         lm = lm or load_model(config.engine.model, device=config.engine.device,
                               dtype=config.engine.dtype, seed=config.engine.seed)
         prefix_cache = None
         if config.cache.enabled:
             from kvtier.engine.prefix import PrefixCache
 
-            prefix_cache = PrefixCache.build(config, lm)
+            prefix_cache = PrefixCache.build(config, lm, split=split)
         log.info("engine ready: model %s on %s (%s), cache %s", lm.name, lm.device,
                  lm.dtype_name, "on" if prefix_cache else "off")
         return cls(config, lm, prefix_cache, max_running=max_running)

@@ -76,6 +76,8 @@ def _check_node(index: RadixIndex, node: Node) -> None:
         _fail(f"{node!r} holds {len(node.keys)} key bytes for {node.pages} pages")
     if not node.anywhere():
         _fail(f"{node!r} is held by no tier")
+    if node.mask != sum(1 << t for t, r in enumerate(node.res) if r is not None):
+        _fail(f"{node!r} has residency mask {node.mask:b}")
     if node.salt != parent.salt:
         _fail(f"{node!r} has another salt than its parent")
     below = [0] * len(TIERS)

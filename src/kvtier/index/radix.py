@@ -46,6 +46,7 @@ from kvtier.index.residency import (
 from kvtier.keys import KEY_BYTES, token_bytes
 
 EvictHook = Callable[[Node, str], None]
+_ALL_TIERS = (1 << len(TIERS)) - 1
 
 
 def as_token_bytes(tokens: Any) -> bytes:
@@ -98,23 +99,30 @@ class RadixIndex:
         key = salt_bytes(salt)
         path: list[tuple[Node, int]] = []
         depth = [0] * len(TIERS)
-        alive = [True] * len(TIERS)
+        mask = _ALL_TIERS  # tiers holding every page walked so far
         node = self._roots.get(key)
-        pos = 0
-        full = len(data) // self._step
+        pos, step = 0, self._step
+        full = len(data) // step
+        startswith, append = data.startswith, path.append
         while node is not None and pos < full:
-            child = node.children.get(data[pos * self._step:(pos + 1) * self._step])
+            offset = pos * step
+            child = node.children.get(data[offset:offset + step])
             if child is None:
                 break
-            used = self._common_pages(child, data, pos, full - pos)
-            path.append((child, used))
-            for t in range(len(TIERS)):
-                if child.res[t] is not None:
-                    depth[t] += used
-                else:
-                    alive[t] = False
+            used = child.pages
+            if used > full - pos or not startswith(child.tokens, offset):
+                used = self._common_pages(child, data, pos, full - pos)
+            append((child, used))
+            if child.mask & mask != mask:
+                for t in range(len(TIERS)):
+                    if mask >> t & 1 and not child.mask >> t & 1:
+                        depth[t] = pos
+                mask &= child.mask
             pos += used
             node = child if used == child.pages else None
+        for t in range(len(TIERS)):
+            if mask >> t & 1:
+                depth[t] = pos
         return IndexMatch(key, self.page_size, data, pos, tuple(depth), tuple(path))
 
     def _common_pages(self, node: Node, data: bytes, pos: int, limit: int) -> int:
@@ -208,6 +216,7 @@ class RadixIndex:
             head.res[t] = slice_ids(node.res[t], 0, pages)
             node.res[t] = slice_ids(node.res[t], pages, node.pages)
             head.kids[t] = 1 if node.res[t] is not None else 0
+        head.mask = node.mask
         head.locks = list(node.locks)
         head.hits, head.last_access = node.hits, node.last_access
         node.tokens, node.keys = node.tokens[cut:], node.keys[pages * KEY_BYTES:]
@@ -235,6 +244,7 @@ class RadixIndex:
     def _set(self, node: Node, t: int, value: Any) -> None:
         ledger = self.ledgers[t]
         node.res[t] = value
+        node.mask |= 1 << t
         ledger.resident += node.pages
         if node.locks[t]:
             ledger.protected += node.pages
@@ -250,6 +260,7 @@ class RadixIndex:
         ledger = self.ledgers[t]
         value = node.res[t]
         node.res[t] = None
+        node.mask &= ~(1 << t)
         ledger.resident -= node.pages
         if node.locks[t]:
             ledger.protected -= node.pages
@@ -464,7 +475,7 @@ class _InsertWalk:
                 held = value[lo - self.pos:]
                 self.unused.extend(i for i, h in zip(offered, held, strict=True) if i != h)
             return True
-        if lo > self.pos:
+        if lo > self.pos or not self._parent_ok(parent):
             return self._refuse("the parent page is not on the tier")
         self.index._set(node, self.t, make_ids(self._ids(lo, hi)))
         self.taken += hi - lo

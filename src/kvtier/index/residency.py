@@ -95,8 +95,8 @@ class IdPool:
 class Node:
     """A run of ``pages`` consecutive pages of one prefix path in the radix tree."""
 
-    __slots__ = ("parent", "children", "tokens", "keys", "pages", "res", "locks", "kids", "hits",
-                 "last_access", "salt", "__weakref__")
+    __slots__ = ("parent", "children", "tokens", "keys", "pages", "res", "mask", "locks", "kids",
+                 "hits", "last_access", "salt", "__weakref__")
 
     def __init__(self, parent: Node | None, tokens: bytes, keys: bytes, pages: int,
                  salt: bytes) -> None:
@@ -106,6 +106,7 @@ class Node:
         self.keys = keys              # pages * 32 bytes of PageKey, or b"" when keyless
         self.pages = pages
         self.res: list[Any] = [None] * len(TIERS)
+        self.mask = 0                  # bit t set <=> res[t] is not None (fast walks)
         self.locks = [0] * len(TIERS)  # path locks: every lock below passes through here
         self.kids = [0] * len(TIERS)   # children resident on each tier
         self.hits = 0

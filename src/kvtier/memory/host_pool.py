@@ -146,7 +146,8 @@ class HostPool:
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
-        """Free the buffer and return its bytes to the budget; idempotent."""
+        """Unpin and free the buffer and return its bytes to the budget; idempotent. Call it
+        after every copy into or out of the pool has completed (the transfer layer drained)."""
         if self._host is not None:
             host, self._host = self._host, None
             host.close()

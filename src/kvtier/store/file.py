@@ -147,7 +147,7 @@ class FileStore(PageStore):
     def read_into(self, keys: Sequence[bytes], buffers: Sequence[Buffer]) -> list[bool]:
         self._check_batch(keys, buffers)
         views = [writable_view(b, self.page_bytes) for b in buffers]
-        return self._read(keys, lambda fd, slot, key, i: self.io.read(fd, slot, key, views[i]))
+        return self._read(keys, views, self.io.read_many)
 
     def read_ranges_into(self, keys: Sequence[bytes], ranges: Sequence[ByteRange],
                          buffers: Sequence[Buffer]) -> list[bool]:
@@ -155,33 +155,21 @@ class FileStore(PageStore):
         views = [writable_view(b, sum(r.length for r in ranges)) for b in buffers]
         runs = self.io.chunk_cover(ranges)
 
-        def one(fd: int, slot: int, key: bytes, i: int) -> Verdict:
+        def one(fd: int, slot: int, key: bytes, view: memoryview) -> Verdict:
             if runs is None:
-                return self.io.read_whole_then_pack(fd, slot, key, ranges, views[i])
-            return self.io.read_chunks(fd, slot, key, runs, ranges, views[i])
+                return self.io.read_whole_then_pack(fd, slot, key, ranges, view)
+            return self.io.read_chunks(fd, slot, key, runs, ranges, view)
 
-        return self._read(keys, one)
+        return self._read(keys, views, lambda plans, ks, vs: self.io.each(plans, ks, vs, one))
 
-    def _read(self, keys: Sequence[bytes], read_one: Any) -> list[bool]:
+    def _read(self, keys: Sequence[bytes], views: list[memoryview], reader: Any) -> list[bool]:
         self.refresh()
-        pinned = self._pin(keys)
-        found = [False] * len(keys)
-        corrupt = errors = 0
+        plans, pinned = self._pin(keys)
         try:
-            for i, (key, pin) in enumerate(zip(keys, pinned, strict=True)):
-                if pin is None:
-                    continue
-                try:
-                    verdict = read_one(pin[1], pin[2], key, i)
-                except OSError:
-                    errors += 1
-                    continue
-                found[i] = verdict is Verdict.OK
-                corrupt += not found[i]
+            found, corrupt, errors = reader(plans, keys, views)
         finally:
-            for pin in pinned:
-                if pin is not None:
-                    self.readers.unpin(pin[0])
+            for seg in pinned:
+                self.readers.unpin(seg)
         hits = sum(found)
         if hits:
             with self._lock:
@@ -190,20 +178,24 @@ class FileStore(PageStore):
                           bytes_read=hits * self.page_bytes)
         return found
 
-    def _pin(self, keys: Sequence[bytes]) -> list[tuple[int, int, int] | None]:
-        """(segment, descriptor, slot) of each key's record, its segment pinned; None: miss."""
-        pinned: list[tuple[int, int, int] | None] = []
+    def _pin(self, keys: Sequence[bytes]) -> tuple[list[tuple[int, int] | None], list[int]]:
+        """(descriptor, slot) of each key's record (None: miss), and the segments pinned for
+        them (each once), which the caller unpins when its reads are done."""
+        plans: list[tuple[int, int] | None] = []
+        fds: dict[int, int | None] = {}
         with self._lock:
             where = self.index.where
             for key in keys:
                 loc = where.get(key)
                 if loc is None:
-                    pinned.append(None)
+                    plans.append(None)
                     continue
                 seg, slot = split(loc)
-                fd = self.readers.pin(seg)
-                pinned.append(None if fd is None else (seg, fd, slot))
-        return pinned
+                if seg not in fds:
+                    fds[seg] = self.readers.pin(seg)
+                fd = fds[seg]
+                plans.append(None if fd is None else (fd, slot))
+        return plans, [seg for seg, fd in fds.items() if fd is not None]
 
     def write(self, keys: Sequence[bytes], buffers: Sequence[Buffer]) -> list[bool]:
         self._check_batch(keys, buffers)

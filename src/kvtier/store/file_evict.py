@@ -46,6 +46,7 @@ class Evictor:
         self.store = store
         self._lock = threading.Lock()
         self._lock_path = store.root / "evict.lock"
+        self._inside = threading.local()  # set while this thread evicts (reinsertion writes)
 
     # ---- capacity ------------------------------------------------------------------------
     def shortfall(self, extra_bytes: int = 0) -> int:
@@ -65,11 +66,16 @@ class Evictor:
         extra = pages * self.store.layout.record_bytes
         if self.shortfall(extra) <= 0:
             return True
+        if getattr(self._inside, "active", False):
+            return False
         self.evict(lambda: self.shortfall(extra) > 0, reinsert=True)
         return self.shortfall(extra) <= 0
 
     def relieve(self) -> int:
-        """Free the oldest evictable segment (after ENOSPC), whatever the cap says."""
+        """Free the oldest evictable segment (after ENOSPC), whatever the cap says; nothing
+        when the ENOSPC came from this thread's own reinsertion writes."""
+        if getattr(self._inside, "active", False):
+            return 0
         budget = iter([True])
         return self.evict(lambda: next(budget, False), reinsert=False)
 
@@ -87,6 +93,7 @@ class Evictor:
         store = self.store
         with self._lock:
             fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            self._inside.active = True
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
                 store.refresh()
@@ -102,6 +109,7 @@ class Evictor:
                     dropped += self._evict_segment(seg, reinsert)
                 return dropped
             finally:
+                self._inside.active = False
                 os.close(fd)  # drops the flock
 
     def _evict_segment(self, seg: int, reinsert: bool) -> int:

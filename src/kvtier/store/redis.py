@@ -27,11 +27,12 @@ from kvtier.config import redact_url
 from kvtier.errors import ConfigError, StoreUnavailable
 from kvtier.keys import KEY_BYTES
 from kvtier.store.base import Buffer, PageStore, StoreCounters, StoreStats, readable_view, writable_view
-from kvtier.store.record import HEADER_BYTES, Verdict, encode_header, verify
+from kvtier.store.record import HEADER_BYTES, encode_header, payload_checksum
+from kvtier.store.redis_channel import Deadline
 from kvtier.store.redis_nodes import MOVED_KINDS, Endpoint, EndpointDown, open_router
 from kvtier.store.redis_ops import get_pages, glob_escape, per_key, server_info, set_pages
 from kvtier.store.redis_options import RedisOptions, parse_redis_url
-from kvtier.store.redis_wire import Deadline, ServerError
+from kvtier.store.redis_wire import ServerError
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ class RedisStore(PageStore):
         for endpoint in self._router.endpoints():
             deadline = Deadline(self.options.timeout_s)
             try:
-                info = endpoint.probe(server_info(None, deadline), deadline)
+                info = endpoint.probe(server_info(None), deadline)
             except Exception as exc:
                 self._open_failure(endpoint, exc)
                 continue
@@ -160,8 +161,7 @@ class RedisStore(PageStore):
         deadline = Deadline(self.options.timeout_s)
         errors = 0
         for endpoint, idx in self._router.route(rkeys):
-            replies = self._run(endpoint, per_key(b"EXISTS", [rkeys[i] for i in idx], deadline),
-                                deadline)
+            replies = self._run(endpoint, per_key(b"EXISTS", [rkeys[i] for i in idx]), deadline)
             if replies is None:
                 errors += len(idx)
                 continue
@@ -183,7 +183,7 @@ class RedisStore(PageStore):
         corrupt = errors = 0
         for endpoint, idx in self._router.route(rkeys):
             work = get_pages([rkeys[i] for i in idx], [views[i] for i in idx], HEADER_BYTES,
-                             self._pages_per_trip, deadline)
+                             self._pages_per_trip)
             replies = self._run(endpoint, work, deadline)
             if replies is None:
                 errors += len(idx)
@@ -207,7 +207,9 @@ class RedisStore(PageStore):
             return "corrupt" if reply.kind == "WRONGTYPE" else "error"
         if isinstance(reply, int):  # a value of another length
             return "corrupt"
-        return "hit" if verify(reply, key, view) is Verdict.OK else "corrupt"
+        # The stored header must be exactly what a writer makes for this key and payload.
+        expected = encode_header(key, view, payload_checksum(view))
+        return "hit" if reply == expected else "corrupt"
 
     def write(self, keys: Sequence[bytes], buffers: Sequence[Buffer]) -> list[bool]:
         self._check_batch(keys, buffers)
@@ -219,7 +221,7 @@ class RedisStore(PageStore):
         errors = 0
         for endpoint, idx in self._router.route(rkeys):
             work = set_pages([rkeys[i] for i in idx], [headers[i] for i in idx],
-                             [payloads[i] for i in idx], self.options.ttl_s, deadline)
+                             [payloads[i] for i in idx], self.options.ttl_s)
             replies = self._run(endpoint, work, deadline)
             if replies is None:
                 errors += len(idx)
@@ -240,8 +242,7 @@ class RedisStore(PageStore):
         deadline = Deadline(self.options.timeout_s)
         removed = errors = 0
         for endpoint, idx in self._router.route(rkeys):
-            replies = self._run(endpoint, per_key(b"DEL", [rkeys[i] for i in idx], deadline),
-                                deadline)
+            replies = self._run(endpoint, per_key(b"DEL", [rkeys[i] for i in idx]), deadline)
             if replies is None:
                 errors += len(idx)
                 continue
@@ -271,7 +272,7 @@ class RedisStore(PageStore):
         out = []
         for endpoint in self._router.endpoints():
             deadline = Deadline(self.options.timeout_s)
-            info = self._run(endpoint, server_info(match, deadline), deadline)
+            info = self._run(endpoint, server_info(match), deadline)
             row: dict[str, Any] = {"endpoint": endpoint.name, "reachable": info is not None,
                                    "breaker": endpoint.breaker.stats().state}
             if info is not None:

@@ -17,12 +17,13 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from kvtier.store.redis_breaker import CircuitBreaker
+from kvtier.store.redis_channel import Channel, Deadline
 from kvtier.store.redis_options import RedisOptions
-from kvtier.store.redis_wire import Deadline, ReplyReader, connection_socket
+from kvtier.store.redis_wire import ReplyReader, connection_socket
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-Work = Callable[[Any, ReplyReader], T]
+Work = Callable[[Channel, ReplyReader], T]
 
 #: Error replies that mean the server cannot serve now (the whole call fails, the breaker counts).
 UNAVAILABLE_KINDS = frozenset({"LOADING", "BUSY", "NOAUTH", "WRONGPASS", "NOPERM", "MASTERDOWN",
@@ -49,7 +50,7 @@ class Endpoint:
         self.breaker = breaker
 
     def run(self, work: Work[T], deadline: Deadline) -> T:
-        """``work(socket, reader)`` on a pooled connection; raises ``EndpointDown`` on failure."""
+        """``work(channel, reader)`` on a pooled connection; raises ``EndpointDown`` on failure."""
         if not self.breaker.allow():
             raise EndpointDown(self.name, "circuit open (recent failures)")
         try:
@@ -82,16 +83,19 @@ class Endpoint:
     def _attempt(self, work: Work[T], deadline: Deadline) -> T:
         deadline.remaining()
         conn = self.pool.get_connection()
+        channel: Channel | None = None
         try:
-            sock = connection_socket(conn)
-            reader = ReplyReader(sock, deadline)
-            result = work(sock, reader)
+            channel = Channel(connection_socket(conn), deadline)
+            reader = ReplyReader(channel)
+            result = work(channel, reader)
             reader.finish()
             return result
         except BaseException:
             conn.disconnect()
             raise
         finally:
+            if channel is not None:
+                channel.release()
             self.pool.release(conn)
 
 
@@ -180,14 +184,23 @@ class ClusterRouter:
 
 def _client_kwargs(opts: RedisOptions) -> dict[str, Any]:
     from redis.backoff import NoBackoff
+    from redis.connection import Connection
     from redis.retry import Retry
 
     # Handshakes (AUTH, SELECT) use socket_timeout; every data call sets its own deadline.
     # RESP2: the reader in redis_wire speaks it (redis-py 8 would otherwise say HELLO 3).
-    return {"protocol": 2, "socket_timeout": opts.timeout_s / 4,
-            "socket_connect_timeout": min(opts.effective_connect_timeout_s, opts.timeout_s / 4),
-            "socket_keepalive": True, "max_connections": opts.max_connections,
-            "retry": Retry(NoBackoff(), 0), "driver_info": None, "health_check_interval": 0}
+    kwargs: dict[str, Any] = {
+        "protocol": 2, "socket_timeout": opts.timeout_s / 4,
+        "socket_connect_timeout": min(opts.effective_connect_timeout_s, opts.timeout_s / 4),
+        "socket_keepalive": True, "max_connections": opts.max_connections,
+        "retry": Retry(NoBackoff(), 0), "health_check_interval": 0}
+    # No CLIENT SETINFO round trips on connect (the keyword changed across redis-py versions).
+    try:
+        Connection(driver_info=None)  # builds the object only; connects on first use
+        kwargs["driver_info"] = None
+    except TypeError:
+        kwargs.update(lib_name=None, lib_version=None)
+    return kwargs
 
 
 def open_router(client_url: str, opts: RedisOptions) -> StandaloneRouter | ClusterRouter:

@@ -1,6 +1,6 @@
 """The units of wire work the Redis page store runs on one server: GET, SET, EXISTS, DEL, INFO.
 
-Each builder returns a ``work(sock, reader)`` function for ``Endpoint.run``: it pipelines its
+Each builder returns a ``work(channel, reader)`` function for ``Endpoint.run``: it pipelines its
 commands (page reads in chunks of ``batch_bytes``, the next chunk sent before the previous one is
 read), reads exactly one reply per command, and returns the replies in order. An error reply
 that means the server cannot serve (LOADING, NOAUTH, ...) is raised after the batch, so the
@@ -12,8 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from kvtier.store.redis_channel import Channel
 from kvtier.store.redis_nodes import UNAVAILABLE_KINDS
-from kvtier.store.redis_wire import Deadline, ReplyReader, ServerError, pack, send_pieces
+from kvtier.store.redis_wire import ReplyReader, ServerError, pack, pack_key_command
 
 
 def _raise_unavailable(replies: Sequence[Any]) -> None:
@@ -23,21 +24,21 @@ def _raise_unavailable(replies: Sequence[Any]) -> None:
 
 
 def get_pages(rkeys: Sequence[bytes], views: Sequence[memoryview], header_bytes: int,
-              pages_per_trip: int, deadline: Deadline) -> Any:
+              pages_per_trip: int) -> Any:
     """GET each key into its view; replies: header bytes, None (nil), int (wrong size), error."""
     chunks = [(start, min(start + pages_per_trip, len(rkeys)))
               for start in range(0, len(rkeys), pages_per_trip)]
 
-    def send(sock: Any, chunk: tuple[int, int]) -> None:
+    def send(channel: Channel, chunk: tuple[int, int]) -> None:
         start, end = chunk
-        send_pieces(sock, [b"".join(pack(b"GET", k) for k in rkeys[start:end])], deadline)
+        channel.send([pack_key_command(b"GET", rkeys[start:end])])
 
-    def work(sock: Any, reader: ReplyReader) -> list[Any]:
+    def work(channel: Channel, reader: ReplyReader) -> list[Any]:
         replies: list[Any] = []
-        send(sock, chunks[0])
+        send(channel, chunks[0])
         for n, (start, end) in enumerate(chunks):
             if n + 1 < len(chunks):
-                send(sock, chunks[n + 1])  # the server works on it while we read this one
+                send(channel, chunks[n + 1])  # the server works on it while we read this one
             replies.extend(reader.page(header_bytes, views[i]) for i in range(start, end))
         _raise_unavailable(replies)
         return replies
@@ -46,12 +47,12 @@ def get_pages(rkeys: Sequence[bytes], views: Sequence[memoryview], header_bytes:
 
 
 def set_pages(rkeys: Sequence[bytes], headers: Sequence[bytes], payloads: Sequence[memoryview],
-              ttl_s: int, deadline: Deadline) -> Any:
+              ttl_s: int) -> Any:
     """SET each key to header + payload (with EX when ``ttl_s``), sent without joining them."""
     expiry = pack(b"EX", b"%d" % ttl_s)[4:] if ttl_s else b""  # the two bulk args, no array head
     argc = 5 if ttl_s else 3
 
-    def work(sock: Any, reader: ReplyReader) -> list[Any]:
+    def work(channel: Channel, reader: ReplyReader) -> list[Any]:
         pieces: list[bytes | memoryview] = []
         for rkey, header, payload in zip(rkeys, headers, payloads, strict=True):
             size = len(header) + len(payload)
@@ -59,7 +60,7 @@ def set_pages(rkeys: Sequence[bytes], headers: Sequence[bytes], payloads: Sequen
                           % (argc, len(rkey), rkey, size, header))
             pieces.append(payload)
             pieces.append(b"\r\n" + expiry)
-        send_pieces(sock, pieces, deadline)
+        channel.send(pieces)
         replies = [reader.simple() for _ in rkeys]
         _raise_unavailable(replies)
         return replies
@@ -67,11 +68,11 @@ def set_pages(rkeys: Sequence[bytes], headers: Sequence[bytes], payloads: Sequen
     return work
 
 
-def per_key(command: bytes, rkeys: Sequence[bytes], deadline: Deadline) -> Any:
+def per_key(command: bytes, rkeys: Sequence[bytes]) -> Any:
     """``command key`` for each key (EXISTS, DEL), pipelined; replies are integers or errors."""
 
-    def work(sock: Any, reader: ReplyReader) -> list[Any]:
-        send_pieces(sock, [b"".join(pack(command, k) for k in rkeys)], deadline)
+    def work(channel: Channel, reader: ReplyReader) -> list[Any]:
+        channel.send([pack_key_command(command, rkeys)])
         replies = [reader.simple() for _ in rkeys]
         _raise_unavailable(replies)
         return replies
@@ -79,33 +80,33 @@ def per_key(command: bytes, rkeys: Sequence[bytes], deadline: Deadline) -> Any:
     return work
 
 
-def server_info(match: bytes | None, deadline: Deadline) -> Any:
+def server_info(match: bytes | None) -> Any:
     """INFO memory and stats, and the key count: DBSIZE, or SCAN ``match`` (exact, slower)."""
 
-    def work(sock: Any, reader: ReplyReader) -> dict[str, Any]:
-        send_pieces(sock, [pack(b"INFO", b"memory") + pack(b"INFO", b"stats")], deadline)
+    def work(channel: Channel, reader: ReplyReader) -> dict[str, Any]:
+        channel.send([pack(b"INFO", b"memory") + pack(b"INFO", b"stats")])
         info: dict[str, Any] = {}
         for _ in range(2):
             reply = reader.simple()
             if isinstance(reply, ServerError):
                 raise reply
             info.update(parse_info(reply))
-        info["keys"] = _count_keys(sock, reader, match, deadline)
+        info["keys"] = _count_keys(channel, reader, match)
         return info
 
     return work
 
 
-def _count_keys(sock: Any, reader: ReplyReader, match: bytes | None, deadline: Deadline) -> int:
+def _count_keys(channel: Channel, reader: ReplyReader, match: bytes | None) -> int:
     if match is None:
-        send_pieces(sock, [pack(b"DBSIZE")], deadline)
+        channel.send([pack(b"DBSIZE")])
         reply = reader.simple()
         if not isinstance(reply, int):
             raise ServerError(str(reply))
         return reply
     cursor, count = b"0", 0
     while True:
-        send_pieces(sock, [pack(b"SCAN", cursor, b"MATCH", match, b"COUNT", b"1000")], deadline)
+        channel.send([pack(b"SCAN", cursor, b"MATCH", match, b"COUNT", b"1000")])
         reply = reader.simple()
         if isinstance(reply, ServerError) or not isinstance(reply, list):
             raise ServerError(str(reply))

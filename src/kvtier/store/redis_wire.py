@@ -1,37 +1,30 @@
-"""The RESP wire work of the Redis page store on one connection, bounded by a deadline.
+"""The RESP wire format of the Redis page store: command encoding and the reply reader.
 
-Owns ``Deadline``, ``pack`` (RESP command encoding), ``send_pieces`` (vectored sends straight from
-the caller's page buffers) and ``ReplyReader``, which reads replies from the socket of a
-connection that redis-py opened (redis-py keeps doing connect, AUTH, TLS, SELECT, pooling and
-cluster topology). Reading ourselves lets a GET reply's payload land in the caller's buffer with
-one copy (the kernel's) instead of four (socket buffer, parser buffer, bytes object, caller).
+Owns ``pack`` / ``pack_key_command`` (RESP command encoding) and ``ReplyReader``, which reads
+replies through a ``Channel`` (``redis_channel``) over the socket of a connection redis-py opened
+(redis-py keeps doing connect, AUTH, TLS, SELECT, pooling and cluster topology). Reading
+ourselves lets a GET reply's payload land in the caller's buffer with one copy (the kernel's)
+instead of four (socket buffer, parser buffer, bytes object, caller).
 
 Invariant of ``ReplyReader``: it never holds more bytes than the line and record header of the
 next page-sized bulk reply, so a payload is always read by ``recv_into`` on the destination. It
 consumes exactly the replies it was asked for, leaving the connection clean for the pool; on
 any exception the caller must disconnect the connection (its state is then unknown).
 
-Every socket operation gets the time left before the call's deadline as its timeout. Runs on
+Every socket operation waits at most until the call's deadline (the channel's job). Runs on
 the IO worker thread that called the store; one connection is used by one thread at a time.
 """
 
 from __future__ import annotations
 
-import socket
-import ssl
-import time
 from collections.abc import Sequence
 from typing import Any
 
+from kvtier.store.redis_channel import Channel
+
 MISS = None  # a nil bulk reply
 _CRLF = b"\r\n"
-_COALESCE_BYTES = 32 << 10   # payloads below this are copied into one send buffer
-_MAX_IOV = 512               # buffers per sendmsg call (IOV_MAX is 1024 on Linux)
 _MAX_LINE = 64 << 10         # longest reply line accepted
-
-
-class DeadlineExceeded(TimeoutError):
-    """The call's deadline passed before the server answered."""
 
 
 class ProtocolError(ConnectionError):
@@ -46,19 +39,6 @@ class ServerError(Exception):
         self.kind = line.split(" ", 1)[0]
 
 
-class Deadline:
-    """A point in time (monotonic) every socket operation of one call must finish by."""
-
-    def __init__(self, seconds: float) -> None:
-        self.at = time.monotonic() + seconds
-
-    def remaining(self) -> float:
-        left = self.at - time.monotonic()
-        if left <= 0:
-            raise DeadlineExceeded("deadline passed")
-        return left
-
-
 def pack(*args: bytes) -> bytes:
     """One RESP command (an array of bulk strings)."""
     parts = [b"*%d\r\n" % len(args)]
@@ -67,7 +47,13 @@ def pack(*args: bytes) -> bytes:
     return b"".join(parts)
 
 
-def connection_socket(conn: Any) -> socket.socket:
+def pack_key_command(command: bytes, keys: Sequence[bytes]) -> bytes:
+    """``command key`` for each key, as one buffer of pipelined RESP commands."""
+    head = b"*2\r\n$%d\r\n%s\r\n" % (len(command), command)
+    return b"".join([head + b"$%d\r\n%s\r\n" % (len(key), key) for key in keys])
+
+
+def connection_socket(conn: Any) -> Any:
     """The socket of a connected redis-py connection (the one private attribute we rely on)."""
     sock = getattr(conn, "_sock", None)
     if sock is None:
@@ -75,66 +61,19 @@ def connection_socket(conn: Any) -> socket.socket:
     return sock
 
 
-def coalesce(pieces: Sequence[bytes | memoryview]) -> list[bytes | memoryview]:
-    """Merge runs of small pieces into one, keep large payload views as they are."""
-    out: list[bytes | memoryview] = []
-    run: list[bytes | memoryview] = []
-    for piece in pieces:
-        if len(piece) >= _COALESCE_BYTES:
-            if run:
-                out.append(b"".join(run))
-                run = []
-            out.append(piece)
-        else:
-            run.append(piece)
-    if run:
-        out.append(b"".join(run))
-    return out
-
-
-def send_pieces(sock: socket.socket, pieces: Sequence[bytes | memoryview], deadline: Deadline) -> None:
-    """Send every piece in order, by vectored sends where the socket has them (not TLS)."""
-    pieces = coalesce(pieces)
-    if isinstance(sock, ssl.SSLSocket):
-        for piece in pieces:
-            sock.settimeout(deadline.remaining())
-            sock.sendall(piece)
-        return
-    views = [memoryview(p).cast("B") for p in pieces]
-    start = 0
-    while start < len(views):
-        sock.settimeout(deadline.remaining())
-        sent = sock.sendmsg(views[start:start + _MAX_IOV])
-        while sent and start < len(views):
-            if sent >= len(views[start]):
-                sent -= len(views[start])
-                start += 1
-            else:
-                views[start] = views[start][sent:]
-                sent = 0
-
-
 class ReplyReader:
     """Reads RESP replies from one socket; page payloads land straight in caller buffers."""
 
-    def __init__(self, sock: socket.socket, deadline: Deadline) -> None:
-        self._sock = sock
-        self._deadline = deadline
+    def __init__(self, channel: Channel) -> None:
+        self._channel = channel
         self._buf = bytearray()
         self._owed = 0  # bytes of a consumed bulk's trailing CRLF still in the socket
         self._scratch = bytearray(64 << 10)
 
     # ---- socket ------------------------------------------------------------------------
-    def _recv_into(self, view: memoryview) -> int:
-        self._sock.settimeout(self._deadline.remaining())
-        got = self._sock.recv_into(view)
-        if got == 0:
-            raise ConnectionError("server closed the connection")
-        return got
-
     def _recv_some(self, at_most: int) -> None:
         view = memoryview(self._scratch)[:min(at_most, len(self._scratch))]
-        got = self._recv_into(view)
+        got = self._channel.recv_into(view)
         self._buf += view[:got]
 
     def _settle_owed(self) -> None:
@@ -184,8 +123,9 @@ class ReplyReader:
         dest[:have] = self._buf[:have]
         del self._buf[:have]
         pos = have
+        recv_into = self._channel.recv_into
         while pos < len(dest):
-            pos += self._recv_into(dest[pos:])
+            pos += recv_into(dest[pos:])
 
     def skip(self, nbytes: int) -> None:
         """Discard the next ``nbytes`` bytes."""
@@ -224,11 +164,32 @@ class ReplyReader:
             return MISS if count < 0 else [self.simple() for _ in range(count)]
         raise ProtocolError(f"unexpected reply {text[:40]!r}")
 
+    def _page_fast(self, head: bytes, header_bytes: int, dest: memoryview) -> bytes | None:
+        """The header of a full-size reply received in one piece, its payload then read into
+        ``dest``; None (bytes kept for the general path) when the reply is anything else."""
+        prefix = _CRLF[2 - self._owed:] + head
+        want = len(prefix) + header_bytes
+        view = memoryview(self._scratch)[:want]
+        got = self._channel.recv_into(view)
+        if got != want or view[:len(prefix)] != prefix:
+            self._buf += view[:got]
+            return None
+        header = bytes(view[len(prefix):])
+        self._owed = 0
+        self.into(dest)
+        self._owed = 2
+        return header
+
     def page(self, header_bytes: int, dest: memoryview) -> bytes | int | ServerError | None:
         """One GET reply of a ``header + len(dest)`` record: the header (payload now in
         ``dest``), ``MISS``, the length of a value of another size (skipped), or an error."""
         expected = header_bytes + len(dest)
-        text = self.line(window=len(b"$%d\r\n" % expected) + header_bytes)
+        head = b"$%d\r\n" % expected
+        if not self._buf:  # the usual case: try to take CRLF + line + header in one receive
+            header = self._page_fast(head, header_bytes, dest)
+            if header is not None:
+                return header
+        text = self.line(window=len(head) + header_bytes)
         kind, body = text[:1], text[1:]
         if kind == b"-":
             return ServerError(body.decode(errors="replace"))

@@ -21,18 +21,23 @@ from __future__ import annotations
 import json
 import os
 import struct
-from dataclasses import asdict, dataclass
+import zlib
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import xxhash
 
 from kvtier.errors import LayoutMismatch, StoreUnavailable
-from kvtier.store.record import HEADER_BYTES, Verdict, decode_header, encode_header
+from kvtier.store.record import HEADER_BYTES, MAGIC, RECORD_VERSION, Verdict, encode_header
 
 MANIFEST = "kvtier-store.json"
 FORMAT = "kvtier-file-store"
 FORMAT_VERSION = 1
 CHUNK_BYTES = 64 << 10
+#: ``kvtier.store.record``'s header, crc included, unpacked in one call on the read path
+#: (tests check that it agrees with ``encode_header``).
+_HEADER = struct.Struct("<4sHHIQQ32sI")
+assert _HEADER.size == HEADER_BYTES
 SEGMENT_SUFFIX = ".seg"
 
 
@@ -48,6 +53,14 @@ class RecordLayout:
     align: int
     slots: int  # records per segment
     chunk_bytes: int = CHUNK_BYTES
+    # Derived once (read on every IO): bytes before the payload, and one record's stride.
+    payload_offset: int = field(init=False)
+    record_bytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        payload_offset = round_up(HEADER_BYTES + 8 * self.chunks, 64)
+        object.__setattr__(self, "payload_offset", payload_offset)
+        object.__setattr__(self, "record_bytes", round_up(payload_offset + self.page_bytes, self.align))
 
     @classmethod
     def plan(cls, page_bytes: int, segment_bytes: int, max_bytes: int | None) -> RecordLayout:
@@ -64,14 +77,6 @@ class RecordLayout:
     def chunks(self) -> int:
         """Entries of the chunk table (0: a page of one chunk needs none)."""
         return 0 if self.page_bytes <= self.chunk_bytes else -(-self.page_bytes // self.chunk_bytes)
-
-    @property
-    def payload_offset(self) -> int:
-        return round_up(HEADER_BYTES + 8 * self.chunks, 64)
-
-    @property
-    def record_bytes(self) -> int:
-        return round_up(self.payload_offset + self.page_bytes, self.align)
 
     @property
     def segment_bytes(self) -> int:
@@ -92,11 +97,10 @@ class RecordLayout:
                check_payload: bool = True) -> Verdict:
         """Check a record read back: header intact, right key and length, payload checksum
         (skipped when ``check_payload`` is False: header-only verification)."""
-        decoded = decode_header(prefix[:HEADER_BYTES])
-        if decoded is None:
+        magic, version, size, _flags, length, digest, stored_key, crc = _HEADER.unpack_from(prefix)
+        if magic != MAGIC or size != HEADER_BYTES or zlib.crc32(prefix[:60]) != crc:
             return Verdict.TORN
-        stored_key, length, digest = decoded
-        if stored_key != key:
+        if version != RECORD_VERSION or stored_key != key:
             return Verdict.FOREIGN
         if length != self.page_bytes:
             return Verdict.CORRUPT
@@ -121,7 +125,7 @@ def load_or_create_manifest(root: Path, page_bytes: int, segment_bytes: int,
     path = root / MANIFEST
     if not path.exists():
         layout = RecordLayout.plan(page_bytes, segment_bytes, max_bytes)
-        body = {"format": FORMAT, "version": FORMAT_VERSION, **asdict(layout)}
+        body = {"format": FORMAT, "version": FORMAT_VERSION, **asdict(layout)}  # derived too
         tmp = root / f".{MANIFEST}.{os.getpid()}.tmp"
         tmp.write_text(json.dumps(body, indent=2) + "\n")
         try:

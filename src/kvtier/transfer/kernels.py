@@ -29,8 +29,9 @@ from kvtier.transfer.triton_cache import install_triton_cache
 
 #: Programs per multiprocessor when ``KernelConfig.max_programs`` is left to the default. On the
 #: H200 one direction reached the same ~51 GB/s (H2D) and ~52.5 GB/s (D2H) with anything from 16
-#: to 1056 programs, and a load and a store at once did best with a grid of about one program
-#: per multiprocessor each (benchmarks/results/transfer_h200.txt), so copies stay lean.
+#: to 1056 programs, and a load and a store at once reached 76-77 GB/s with one program per
+#: multiprocessor each, within a few GB/s of the best split measured and well above full grids
+#: (benchmarks/results/transfer_h200.txt). A copy so holds a small share of the chip.
 DEFAULT_PROGRAMS_PER_SM = 1
 #: Grid cap under the Triton interpreter (each program runs serially on the CPU there).
 INTERPRETER_MAX_PROGRAMS = 8

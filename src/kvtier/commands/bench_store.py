@@ -1,0 +1,240 @@
+"""``kvtier bench store``: a page store's write, contains and read throughput beside a raw
+baseline of the same bytes on the same device, measured in the same run.
+
+    kvtier bench store --url file:///var/tmp/kvtier-bench --total 1GiB --page-bytes 64KiB,1MiB \
+        --threads 4 --cache both --json benchmarks/results/disk_store.json
+
+Each run (page size x threads x warm/cold) opens a fresh store location (a subdirectory for
+``file://``), writes the pages with ``--threads`` writer threads (``--batch`` pages per call),
+syncs, times ``contains`` over 100k lookups, reads everything back into page-aligned buffers
+(best of ``--repeats``; cold runs drop the page cache first, as root), reopens the store (open
+time), then asks the scheme's raw baseline to move the same bytes. The table and JSON report
+pages/s and GB/s; the last line printed is the worst read/raw ratio. Main thread plus workers.
+
+Raw baselines, one per URL scheme, are named in ``RAW_BASELINES`` and imported on first use (a
+missing module fails only its own scheme). Each is a function::
+
+    def measure(url: str, *, store: PageStore, keys: Sequence[bytes],
+                sources: Sequence[memoryview], threads: int, batch: int, cold: bool,
+                repeats: int) -> dict[str, Any]:
+        '''Move the bytes the store benchmark just moved, the plain way, and time it.
+
+        Called after the store phases, with ``store`` open and holding ``keys``; page ``i``
+        holds ``sources[i % len(sources)]`` (``store.page_bytes`` each). Use ``threads``
+        threads and ``batch`` pages per call, without kvtier's index, headers or checksums
+        (disk: ``os.preadv``/``pwritev`` over files; Redis: pipelined GET/SET). ``cold``: drop
+        caches before each read where possible (``bench_store.drop_caches``). Return at least
+        ``raw_write_gbps`` (including a final flush), ``raw_read_gbps`` (best of ``repeats``)
+        and ``raw_method`` (one line saying what was timed); other keys go into the JSON.
+        '''
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import mmap
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from kvtier.config import ControllerConfig, parse_size
+from kvtier.machine import format_table, write_report
+
+RAW_BASELINES: dict[str, str] = {
+    "file": "kvtier.commands.raw_disk:measure",
+    "redis": "kvtier.commands.raw_redis:measure",
+    "rediss": "kvtier.commands.raw_redis:measure",
+}
+CONTAINS_LOOKUPS = 100_000
+SOURCE_PAGES = 16
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("store", help="Page store throughput beside a raw baseline.",
+                                   description=__doc__.splitlines()[0])
+    parser.add_argument("--url", required=True, help="Store URL (file:// runs in a fresh "
+                        "subdirectory per run, removed afterwards).")
+    size = parser.add_mutually_exclusive_group(required=True)
+    size.add_argument("--pages", type=int, help="Pages per run.")
+    size.add_argument("--total", help="Bytes per run (e.g. 1GiB); pages = total / page bytes.")
+    parser.add_argument("--page-bytes", default="64KiB", help="Page sizes, comma-separated.")
+    parser.add_argument("--threads", default=str(ControllerConfig().io_workers),
+                        help="IO thread counts, comma-separated (default: controller.io_workers).")
+    parser.add_argument("--batch", type=int, default=32, help="Pages per store call.")
+    parser.add_argument("--cold", action="store_true", help="Cold reads only (same as "
+                        "--cache cold).")
+    parser.add_argument("--cache", choices=("warm", "cold", "both"), default="warm",
+                        help="Page cache state for the read phases.")
+    parser.add_argument("--repeats", type=int, default=3, help="Read passes (best taken).")
+    parser.add_argument("--json", metavar="OUT", help="Write results as JSON here.")
+    parser.set_defaults(handler=run)
+
+
+def drop_caches() -> bool:
+    """Flush and drop the kernel page cache (needs root); True when it worked."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def raw_baseline(scheme: str) -> Callable[..., dict[str, Any]]:
+    module, _, name = RAW_BASELINES[scheme].partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def aligned_pages(count: int, page_bytes: int) -> list[memoryview]:
+    """``count`` page buffers carved from one page-aligned mapping."""
+    stride = -(-page_bytes // 4096) * 4096
+    block = memoryview(mmap.mmap(-1, max(1, count) * stride))
+    return [block[i * stride:i * stride + page_bytes] for i in range(count)]
+
+
+def run_batches(threads: int, keys: Sequence[bytes], batch: int,
+                call: Callable[[int, Sequence[bytes], range], Any]) -> float:
+    """Split ``keys`` into batches dealt round-robin to ``threads`` threads; seconds taken.
+    ``call(thread, batch_keys, batch_indexes)`` does one batch."""
+    starts = list(range(0, len(keys), batch))
+
+    def work(t: int) -> None:
+        for start in starts[t::threads]:
+            end = min(start + batch, len(keys))
+            call(t, keys[start:end], range(start, end))
+
+    workers = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+    begin = time.perf_counter()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return time.perf_counter() - begin
+
+
+def _source_pages(page_bytes: int) -> list[memoryview]:
+    pages = aligned_pages(SOURCE_PAGES, page_bytes)
+    for i, page in enumerate(pages):
+        seed = hashlib.sha256(b"kvtier-bench-%d" % i).digest()
+        page[:] = (seed * (page_bytes // 32 + 1))[:page_bytes]
+    return pages
+
+
+def _fresh_location(url: str, page_bytes: int) -> tuple[str, Callable[[], None]]:
+    parts = urlsplit(url)
+    if parts.scheme != "file":
+        return url, lambda: None
+    path = Path(parts.path) / f"bench-{page_bytes}-{os.getpid()}"
+    shutil.rmtree(path, ignore_errors=True)
+    return (urlunsplit(parts._replace(path=str(path))),
+            lambda: shutil.rmtree(path, ignore_errors=True))
+
+
+def bench_one(url: str, page_bytes: int, pages: int, threads: int, batch: int, cold: bool,
+              repeats: int) -> dict[str, Any]:
+    from kvtier.store import open_store
+
+    run_url, cleanup = _fresh_location(url, page_bytes)
+    nonce = os.urandom(8)
+    keys = [hashlib.sha256(nonce + i.to_bytes(8, "little")).digest() for i in range(pages)]
+    sources = _source_pages(page_bytes)
+    gb = pages * page_bytes / 1e9
+    store = open_store(run_url, page_bytes=page_bytes)
+    try:
+        refused = [0] * threads  # one counter per thread: no shared read-modify-write
+
+        def write(t: int, ks: Sequence[bytes], idx: range) -> None:
+            refused[t] += store.write(ks, [sources[i % SOURCE_PAGES] for i in idx]).count(False)
+
+        write_s = run_batches(threads, keys, batch, write)
+        sync_start = time.perf_counter()
+        os.sync()
+        sync_s = time.perf_counter() - sync_start
+        lookups = (keys * (CONTAINS_LOOKUPS // max(1, pages) + 1))[:CONTAINS_LOOKUPS]
+        contains_start = time.perf_counter()
+        present = sum(store.contains(lookups))
+        contains_s = time.perf_counter() - contains_start
+        read_s, dropped, misses = _read_phase(store, keys, threads, batch, cold, repeats)
+        raw = raw_baseline(urlsplit(url).scheme)(
+            run_url, store=store, keys=keys, sources=sources, threads=threads, batch=batch,
+            cold=cold, repeats=repeats)
+        open_s = _reopen_seconds(store, run_url, page_bytes)
+        if urlsplit(url).scheme != "file":
+            store.delete(keys)
+    finally:
+        store.close()
+        cleanup()
+    return {"page_bytes": page_bytes, "pages": pages, "threads": threads, "batch": batch,
+            "cold": cold, "caches_dropped": dropped, "write_refused": sum(refused),
+            "read_misses": misses, "contains_present": present,
+            "write_gbps": gb / (write_s + sync_s), "write_buffered_gbps": gb / write_s,
+            "write_pages_per_s": pages / (write_s + sync_s),
+            "read_gbps": gb / read_s, "read_pages_per_s": pages / read_s,
+            "contains_ms_per_100k": contains_s * 1e3 * CONTAINS_LOOKUPS / len(lookups),
+            "open_s": open_s, **raw, "read_vs_raw": (gb / read_s) / raw["raw_read_gbps"],
+            "write_vs_raw": (gb / (write_s + sync_s)) / raw["raw_write_gbps"],
+            "load_avg": os.getloadavg()}
+
+
+def _read_phase(store: Any, keys: list[bytes], threads: int, batch: int, cold: bool,
+                repeats: int) -> tuple[float, bool, int]:
+    dest = [aligned_pages(batch, store.page_bytes) for _ in range(threads)]
+    misses = [0] * threads
+
+    def read(t: int, ks: Sequence[bytes], idx: range) -> None:
+        misses[t] += store.read_into(ks, dest[t][:len(ks)]).count(False)
+
+    dropped = False
+    if not cold:
+        run_batches(threads, keys, batch, read)  # fill the page cache
+    best = float("inf")
+    for _ in range(repeats):
+        if cold:
+            dropped = drop_caches()
+        best = min(best, run_batches(threads, keys, batch, read))
+    return best, dropped, sum(misses)
+
+
+def _reopen_seconds(store: Any, url: str, page_bytes: int) -> float | None:
+    from kvtier.store import open_store
+
+    if urlsplit(url).scheme != "file":
+        return None
+    store.close()
+    begin = time.perf_counter()
+    reopened = open_store(url, page_bytes=page_bytes)
+    seconds = time.perf_counter() - begin
+    reopened.close()
+    return seconds
+
+
+def run(args: argparse.Namespace) -> int:
+    modes = {"warm": [False], "cold": [True], "both": [False, True]}["cold" if args.cold
+                                                                      else args.cache]
+    runs = []
+    for page_bytes in (parse_size(p) for p in args.page_bytes.split(",")):
+        pages = args.pages or parse_size(args.total) // page_bytes
+        for threads in (int(t) for t in args.threads.split(",")):
+            for cold in modes:
+                runs.append(bench_one(args.url, page_bytes, pages, threads, args.batch, cold,
+                                      args.repeats))
+    headers = ["page", "thr", "cache", "pages", "write GB/s", "raw write", "read GB/s",
+               "raw read", "read/raw", "write/raw", "contains ms/100k", "open s"]
+    rows = [[r["page_bytes"], r["threads"], "cold" if r["cold"] else "warm", r["pages"],
+             r["write_gbps"], r["raw_write_gbps"], r["read_gbps"], r["raw_read_gbps"],
+             r["read_vs_raw"], r["write_vs_raw"], r["contains_ms_per_100k"],
+             r["open_s"] if r["open_s"] is not None else "-"] for r in runs]
+    print(format_table(headers, rows))
+    if any(r["cold"] and not r["caches_dropped"] for r in runs):
+        print("note: could not drop the page cache (not root): 'cold' reads were warm")
+    if args.json:
+        write_report(args.json, "store", {"url": args.url, "runs": runs})
+    print(f"read/raw: {min(r['read_vs_raw'] for r in runs):.3f}")
+    return 0

@@ -1,0 +1,203 @@
+"""The cache controller: bookkeeping on the engine thread, bytes in workers and the copy engine.
+
+Owns ``CacheController``, which ties the index to the pools, the stores and the IO workers and
+implements everything ``TieredCache`` exposes: match (``Lookup``), load (``LoadBack`` with
+``Prefetcher``), commit under the write policy (``HostWriter``, ``Backups``), allocation,
+release, flush, poll and stats. It also keeps the ownership ledger of device pages that are not
+in the index: pages handed to the engine by ``allocate`` and pages private to a ``Loaded``; a
+``commit`` transfers them to the index (or frees duplicates), ``release`` frees what a
+``Loaded`` still holds. ``check_integrity`` verifies the index and these ledgers together.
+
+Every public method runs on the engine thread. IO workers only run jobs and post completions,
+which ``poll`` (and ``load``/``flush``) reap here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from kvtier.controller.backups import Backups
+from kvtier.controller.context import CacheContext
+from kvtier.controller.handles import Hit, Loaded
+from kvtier.controller.loadback import LoadBack
+from kvtier.controller.lookup import Lookup
+from kvtier.controller.prefetch import Prefetcher
+from kvtier.controller.ranks import Collective, RankAgreement
+from kvtier.controller.split import RateBook, plan_split
+from kvtier.controller.writes import HostWriter
+from kvtier.index.radix import as_token_bytes, salt_bytes
+
+
+class CacheController:
+    """See the module docstring."""
+
+    def __init__(self, ctx: CacheContext, *, prefetch_share: float = 0.5,
+                 collective: Collective | None = None, rates: RateBook | None = None) -> None:
+        self.ctx = ctx
+        self.ranks = RankAgreement(collective)
+        self.rates = ctx.rates = rates or ctx.rates or RateBook()
+        self.backups = Backups(ctx)
+        self.writer = HostWriter(ctx, self.backups)
+        self.prefetcher = Prefetcher(ctx, prefetch_share)
+        self.lookup = Lookup(ctx, self.ranks)
+        self.loader = LoadBack(ctx, self.prefetcher, self.writer, self.ranks)
+        ctx.index.on_evict = self.writer.on_evict
+        self.engine_pages: set[int] = set()
+        self.private_owner: dict[int, Loaded] = {}
+
+    # ---- requests ------------------------------------------------------------------------
+    def match(self, tokens: Any, salt: bytes | str | None = None) -> Hit:
+        return self.lookup.match(tokens, salt)
+
+    def prefetch(self, hit: Hit) -> None:
+        """Start the store part of ``hit`` landing now (``load`` waits for it later)."""
+        ctx = self.ctx
+        if hit.reach("remote") <= hit.reach("host") or ctx.workers is None:
+            return
+        match = ctx.index.match(hit._data, hit.salt)
+        lo = max(match.depth_of("device"), match.depth_of("host"))
+        hi = min(hit.pages, max(hit._store_ends))
+        if lo < hi and hit._prefetch is None:
+            keys = ctx.keys(match, hi)
+            task = self.prefetcher.start(hit._data, hit.salt, keys, lo, hi, hit._store_ends[0])
+            if task is not None:
+                task.held = True
+                hit._prefetch = task
+
+    def load(self, hit: Hit, recompute_tokens: int = 0) -> Loaded:
+        self.poll()
+        loaded = self.loader.load(hit, recompute_tokens)
+        for page_id in loaded._private:
+            self.private_owner[page_id] = loaded
+        return loaded
+
+    def plan_split(self, hit: Hit) -> int:
+        return plan_split(hit, self.rates, self._bytes_per_token())
+
+    def _bytes_per_token(self) -> int:
+        layout = self.ctx.device_pool.layout
+        return layout.page_bytes // layout.page_size
+
+    def allocate(self, n_pages: int) -> list[int]:
+        ids = self.ctx.index.allocate("device", n_pages)
+        self.engine_pages.update(ids)
+        return ids
+
+    def free(self, device_page_ids: Sequence[int]) -> None:
+        """Give back pages from ``allocate`` that will not be committed."""
+        ids = [i for i in device_page_ids if i in self.engine_pages]
+        self.engine_pages.difference_update(ids)
+        self.ctx.index.free("device", ids)
+
+    def commit(self, tokens: Any, device_page_ids: Sequence[int],
+               salt: bytes | str | None = None) -> None:
+        """Insert every full page of ``tokens`` on device; ownership of every id passed moves
+        to the cache (ids of pages it already holds are freed), then the write policy runs."""
+        ctx = self.ctx
+        data, key = as_token_bytes(tokens), salt_bytes(salt)
+        full = len(data) // ctx.step
+        ids = [int(i) for i in device_page_ids]
+        match = ctx.index.match(data, key)
+        self._check_ownership(ids, full, match.ids("device", 0, min(match.depth_of("device"),
+                                                                       full)))
+        for page_id in ids:
+            self.engine_pages.discard(page_id)
+            owner = self.private_owner.pop(page_id, None)
+            if owner is not None:
+                owner._private.discard(page_id)
+        keys = ctx.keys(match, full)
+        result = ctx.index.insert(data, keys, tier="device", ids=ids[:full], salt=key)
+        held = set(match.ids("device", 0, min(match.depth_of("device"), full)))
+        ctx.index.free("device", result.unused_ids + [i for i in ids[full:] if i not in held])
+        ctx.count("commit_total")
+        ctx.count("commit_new_pages_total", result.taken)
+        self.writer.after_commit(data, key, keys)
+
+    def _check_ownership(self, ids: list[int], full: int, held: list[int]) -> None:
+        if len(ids) < full:
+            raise ValueError(f"commit of {full} full pages got {len(ids)} device page ids")
+        if len(set(ids)) != len(ids):
+            raise ValueError("commit got the same device page id twice")
+        for page, page_id in enumerate(ids):
+            ours = page_id in self.engine_pages or page_id in self.private_owner
+            if not ours and not (page < len(held) and held[page] == page_id):
+                raise ValueError(f"device page {page_id} (prompt page {page}) was not handed out "
+                                 "by allocate or load")
+
+    def release(self, handle: Loaded | Hit) -> None:
+        """Unpin a ``Loaded`` (idempotent); a ``Hit`` only stops its early prefetch."""
+        if isinstance(handle, Hit):
+            task, handle._prefetch = handle._prefetch, None
+            if task is not None:
+                task.job.cancel()
+                self.prefetcher.unhold(task)
+            return
+        if handle.released:
+            return
+        handle.released = True
+        self.ctx.unlock(handle._lock_node, "device")
+        handle._lock_node = None
+        private = sorted(handle._private)
+        handle._private.clear()
+        for page_id in private:
+            self.private_owner.pop(page_id, None)
+        self.ctx.index.free("device", private)
+
+    # ---- background --------------------------------------------------------------------------
+    def poll(self) -> None:
+        """Reap finished copies and IO jobs, then retry deferred backups (engine thread)."""
+        self.writer.poll()
+        workers = self.ctx.workers
+        if workers is None:
+            return
+        for job in workers.completed():
+            if self.prefetcher.owns(job):
+                self._observe_job("prefetch", job)
+                self.prefetcher.reap(job)
+            elif self.backups.owns(job):
+                self.backups.reap(job)
+        self.backups.retry_deferred()
+
+    def _observe_job(self, kind: str, job: Any) -> None:
+        if job.landed and job.segments and job.finished_at > job.started:
+            tier = job.segments[0].tier
+            self.rates.observe(tier, job.landed * self.ctx.device_pool.layout.page_bytes,
+                               job.finished_at - job.started)
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Wait until no copy or IO job is in flight (reaping them); False on timeout."""
+        deadline = time.monotonic() + (self.ctx.config.job_deadline_s if timeout_s is None
+                                       else timeout_s)
+        self.writer.drain()
+        while True:
+            self.poll()
+            workers = self.ctx.workers
+            busy = workers is not None and (not workers.idle() or self.prefetcher.tasks
+                                            or self.backups.busy())
+            if not busy and not self.backups.deferred:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.002)
+
+    def flush(self) -> dict[str, int]:
+        """Drop the device and host tiers (pinned pages stay); stores keep everything."""
+        self.drain()
+        dropped = {"device": self.ctx.index.clear("device"), "host": self.ctx.index.clear("host")}
+        self.ctx.count("flush_total")
+        return dropped
+
+    def outstanding(self) -> dict[str, int]:
+        private = sum(len(loaded._private) for loaded in set(self.private_owner.values()))
+        return {"device": len(self.engine_pages) + private, "host": self.ctx.host_outside}
+
+    def check_integrity(self) -> None:
+        ctx = self.ctx
+        ctx.index.check_integrity(self.outstanding())
+        ctx.device_pool.allocator.check_integrity()
+        if ctx.has_host:
+            ctx.host_pool.allocator.check_integrity()
+        if len(self.private_owner) != sum(len(x._private) for x in set(self.private_owner.values())):
+            raise AssertionError("private device page ledger out of step")

@@ -1,0 +1,64 @@
+"""What the engine holds between calls: ``Hit`` (a match) and ``Loaded`` (pages pinned on device).
+
+Owns the two handle types ``TieredCache`` returns. The public fields are agreed across ranks
+(identical on every rank of a tensor-parallel group); fields starting with ``_`` are this rank's
+own view, used by the controller. Engine thread only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+TIER_ORDER: tuple[str, ...] = ("device", "host", "disk", "remote")
+
+
+@dataclass
+class Hit:
+    """A prompt's cached prefix. ``tokens`` is the usable hit (a multiple of the page size);
+    ``tokens_by_tier`` splits it by the fastest tier holding each page, in prefix order
+    (device pages first, then host, disk, remote). ``device_page_ids`` are this rank's device
+    pages of the device part. ``match`` locks nothing: ``load`` does."""
+
+    tokens: int
+    tokens_by_tier: dict[str, int]
+    device_page_ids: list[int]
+    salt: bytes
+    page_size: int
+    prompt_tokens: int
+    _data: bytes = field(repr=False, default=b"")
+    _reach: tuple[int, int, int, int] = (0, 0, 0, 0)       # agreed pages per tier, cumulative
+    _store_ends: tuple[int, int] = (0, 0)                   # local: disk end, remote end (pages)
+    _prefetch: Any = field(default=None, repr=False)        # an early prefetch (PrefetchTask)
+
+    @property
+    def pages(self) -> int:
+        return self.tokens // self.page_size
+
+    def reach(self, tier: str) -> int:
+        """Agreed pages held by ``tier`` or a faster one (cumulative, from the root)."""
+        return self._reach[TIER_ORDER.index(tier)]
+
+
+@dataclass(eq=False)
+class Loaded:
+    """Pages of a hit now on device and pinned there until ``release``.
+
+    ``tokens`` ends the usable prefix: the engine reuses KV of ``[start_tokens, tokens)`` from
+    ``device_page_ids`` (in prefix order, one per page) and computes everything else.
+    ``start_tokens`` is 0 unless the engine asked to recompute the head of the hit, in which case
+    the pages start where the recompute ends. A multiple of the page size; may be less than
+    ``hit.tokens`` after a prefetch timeout, a store miss or a full device pool.
+    """
+
+    tokens: int
+    device_page_ids: list[int]
+    start_tokens: int
+    hit: Hit = field(repr=False)
+    _lock_node: Any = field(default=None, repr=False)
+    _private: set[int] = field(default_factory=set, repr=False)
+    released: bool = False
+
+    @property
+    def pages(self) -> int:
+        return len(self.device_page_ids)

@@ -1,0 +1,218 @@
+"""IO jobs: what an IO worker runs (store -> host prefetch, host -> store backup) and how it ends.
+
+Owns ``Job`` (id, priority, deadline, cooperative cancel, completion event, outcome) and its two
+kinds. A job touches bytes only: host pages it was handed (ids reserved by the controller on the
+engine thread) and a ``PageStore``; it never touches the index. Progress is published in plain
+ints that the engine thread may read at any time (``PrefetchJob.landed``: pages ``[0, landed)``
+are complete and the worker will not write them again).
+
+Threads: built and reaped on the engine thread, ``run`` on one IO worker thread. A job never
+raises out of ``run``: a store exception is recorded as the job's ``error`` and its pages count
+as misses (a worker never dies, a tier is never switched off).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.store.base import PageStore
+
+LOAD, STORE = 0, 1  # priorities: loads (prefetch) are served before stores (backup)
+OUTCOMES = ("completed", "partial", "failed", "cancelled", "expired", "error")
+_ids = itertools.count(1)
+
+
+class HostPages:
+    """How a job reaches host pages: a direct view (page_first) or staging copies (layer_first)."""
+
+    def __init__(self, host_pool: Any) -> None:
+        self.pool = host_pool
+        self.direct = host_pool.host_layout == "page_first"
+
+    def buffers(self, ids: Sequence[int]) -> list[Any]:
+        if self.direct:
+            return [self.pool.page(h) for h in ids]
+        import torch
+
+        return [torch.empty(self.pool.page_bytes, dtype=torch.uint8) for _ in ids]
+
+    def fill_from(self, ids: Sequence[int], buffers: Sequence[Any]) -> None:
+        """After a read into staging buffers: copy them into the (layer_first) pool."""
+        if not self.direct:
+            for h, buf in zip(ids, buffers, strict=True):
+                self.pool.copy_page_in(h, buf)
+
+    def read_out(self, ids: Sequence[int]) -> list[Any]:
+        """Buffers holding pages ``ids`` in canonical order, for a store write."""
+        if self.direct:
+            return [self.pool.page(h) for h in ids]
+        out = self.buffers(ids)
+        for h, buf in zip(ids, out, strict=True):
+            self.pool.copy_page_out(h, buf)
+        return out
+
+
+class Job:
+    """One unit of IO work with a deadline and a cooperative cancel flag."""
+
+    priority = STORE
+    kind = "job"
+
+    def __init__(self, deadline_s: float, batch_pages: int = 16) -> None:
+        self.id = next(_ids)
+        self.deadline = time.monotonic() + deadline_s
+        self.batch_pages = max(1, batch_pages)
+        self.outcome: str | None = None
+        self.error: str | None = None
+        self.started = 0.0
+        self.finished_at = 0.0
+        self._cancel = threading.Event()
+        self._done = threading.Event()
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def expired(self) -> bool:
+        return time.monotonic() > self.deadline
+
+    def should_stop(self) -> str | None:
+        if self._cancel.is_set():
+            return "cancelled"
+        if self.expired():
+            return "expired"
+        return None
+
+    def is_done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None) -> bool:
+        return self._done.wait(timeout)
+
+    def execute(self, host: HostPages) -> None:
+        """Worker entry: run, record the outcome, signal done. Never raises."""
+        self.started = time.monotonic()
+        try:
+            self.outcome = self.should_stop() or self.run(host)
+        except Exception as exc:  # a store outage or bug: a counted failure, never a dead worker
+            self.outcome, self.error = "error", f"{type(exc).__name__}: {exc}"
+        finally:
+            self.finished_at = time.monotonic()
+            self._done.set()
+
+    def run(self, host: HostPages) -> str:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Pages ``keys`` to read from ``store`` (the tier named ``tier``)."""
+
+    tier: str
+    store: PageStore
+    keys: tuple[bytes, ...]
+
+
+class PrefetchJob(Job):
+    """Read pages from stores (segment by segment, in prefix order) into reserved host pages.
+
+    ``landed`` grows after each batch; the first page that misses ends the job (the served
+    prefix stops there), and ``missed_tier`` names the store that missed it.
+    """
+
+    priority = LOAD
+    kind = "prefetch"
+
+    def __init__(self, segments: Sequence[Segment], host_ids: Sequence[int], deadline_s: float,
+                 batch_pages: int = 16) -> None:
+        super().__init__(deadline_s, batch_pages)
+        self.segments = tuple(segments)
+        self.host_ids = list(host_ids)
+        self.pages = sum(len(s.keys) for s in self.segments)
+        if self.pages != len(self.host_ids):
+            raise ValueError(f"{self.pages} pages to read into {len(self.host_ids)} host pages")
+        self.landed = 0
+        self.missed_tier: str | None = None
+
+    def run(self, host: HostPages) -> str:
+        pos = 0
+        for segment in self.segments:
+            for lo in range(0, len(segment.keys), self.batch_pages):
+                stop = self.should_stop()
+                if stop:
+                    return stop if self.landed == 0 else "partial"
+                keys = segment.keys[lo:lo + self.batch_pages]
+                ids = self.host_ids[pos + lo:pos + lo + len(keys)]
+                buffers = host.buffers(ids)
+                found = segment.store.read_into(keys, buffers)
+                ok = _leading_true(found)
+                host.fill_from(ids[:ok], buffers[:ok])
+                self.landed = pos + lo + ok
+                if ok < len(keys):
+                    self.missed_tier = segment.tier
+                    return "failed"
+            pos += len(segment.keys)
+        return "completed"
+
+
+class BackupJob(Job):
+    """Write host pages to one store in prefix order; stop at the first refusal (and delete
+    what the same batch wrote past it, so the store never holds a page without its parent).
+
+    Pages the store already holds (another process wrote them, or an earlier run) are not
+    written again. ``written`` is the count of leading pages now in the store.
+    """
+
+    priority = STORE
+    kind = "backup"
+
+    def __init__(self, tier: str, store: PageStore, keys: Sequence[bytes],
+                 host_ids: Sequence[int], deadline_s: float, batch_pages: int = 16) -> None:
+        super().__init__(deadline_s, batch_pages)
+        if len(keys) != len(host_ids):
+            raise ValueError(f"{len(keys)} keys for {len(host_ids)} host pages")
+        self.tier = tier
+        self.store = store
+        self.keys = tuple(keys)
+        self.host_ids = list(host_ids)
+        self.written = 0
+
+    def run(self, host: HostPages) -> str:
+        for lo in range(0, len(self.keys), self.batch_pages):
+            stop = self.should_stop()
+            if stop:
+                return stop if self.written == 0 else "partial"
+            keys = self.keys[lo:lo + self.batch_pages]
+            ids = self.host_ids[lo:lo + len(keys)]
+            present = self.store.contains(keys)
+            todo = [i for i, have in enumerate(present) if not have]
+            done = list(present)
+            if todo:
+                written = self.store.write([keys[i] for i in todo],
+                                           host.read_out([ids[i] for i in todo]))
+                for i, ok in zip(todo, written, strict=True):
+                    done[i] = ok
+            ok = _leading_true(done)
+            self.written = lo + ok
+            if ok < len(keys):
+                # keep the store's prefix contiguous: undo what this batch wrote past the gap
+                orphans = [keys[i] for i in todo if i > ok and done[i]]
+                if orphans:
+                    self.store.delete(orphans)
+                return "failed"
+        return "completed"
+
+
+def _leading_true(flags: Sequence[bool]) -> int:
+    for i, flag in enumerate(flags):
+        if not flag:
+            return i
+    return len(flags)

@@ -1,0 +1,179 @@
+"""Load-back: bring a hit to device pages before the request runs (store -> host -> device).
+
+Owns ``LoadBack.load``, the one path by which a hit becomes device pages:
+
+1. walk the index again (the ``Hit`` may be stale), count the use, lock the device prefix and
+   the host prefix that serve as sources;
+2. prefetch the part only stores hold (``Prefetcher``; waits as the prefetch policy says);
+3. agree across ranks on the pages available (collective 1);
+4. allocate device pages (evicting device leaves), copy host -> device through the copy engine
+   and wait for it, put landed pages into the host tier and loaded pages into the device tier;
+5. agree across ranks on the pages loaded (collective 2), pin the agreed prefix on device.
+
+When the engine recomputes the head of the hit (``recompute_tokens`` past the device prefix),
+only the tail beyond it is loaded, into device pages private to the returned ``Loaded`` (the
+device tier must stay prefix-closed, so they enter the index when the engine commits them).
+
+Steps 1, 2 and 4 never raise out of ``load``: a failure there makes this rank contribute 0 pages
+to the next collective (and is counted), so every rank always makes both calls (see
+``kvtier.controller.ranks``). Engine thread only.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.controller.context import CacheContext
+from kvtier.controller.handles import Hit, Loaded
+from kvtier.controller.prefetch import Prefetcher, PrefetchTask
+from kvtier.controller.ranks import RankAgreement
+from kvtier.controller.writes import HostWriter
+from kvtier.errors import PoolExhausted
+from kvtier.index.residency import Node
+from kvtier.keys import PageKey
+
+
+@dataclass
+class LoadPlan:
+    """This rank's view of one load, built in step 1 and 2."""
+
+    data: bytes
+    salt: bytes
+    keys: list[PageKey] = field(default_factory=list)
+    device: int = 0               # device depth (pages) when the load began
+    host: int = 0                 # host depth
+    begin: int = 0                # first page to bring to device
+    prefix_mode: bool = True      # begin == device: loaded pages extend the device prefix
+    store_lo: int = 0             # first page the prefetch covers
+    task: PrefetchTask | None = None
+    landed_ids: list[int] = field(default_factory=list)
+    available: int = 0            # pages this rank could put on device
+    device_lock: Node | None = None
+    host_lock: Node | None = None
+
+
+class LoadBack:
+    """Runs loads; see the module docstring."""
+
+    def __init__(self, ctx: CacheContext, prefetcher: Prefetcher, writer: HostWriter,
+                 ranks: RankAgreement) -> None:
+        self.ctx = ctx
+        self.prefetcher = prefetcher
+        self.writer = writer
+        self.ranks = ranks
+
+    def load(self, hit: Hit, recompute_tokens: int = 0) -> Loaded:
+        plan = LoadPlan(hit._data, hit.salt)
+        ok = self._guard(self._prepare, plan, hit, recompute_tokens)
+        agreed = self.ranks.agree(plan.available if ok else 0)
+        result = self._guard(self._to_device, plan, agreed) if ok else None
+        end, private = result if result else (0, [])
+        final = self.ranks.agree(end)
+        return self._finish(hit, plan, min(final, end), private)
+
+    def _guard(self, step: Any, *args: Any) -> Any:
+        try:
+            out = step(*args)
+            return True if out is None else out
+        except Exception:
+            self.ctx.count("load_errors_total")
+            return None
+
+    # ---- step 1 and 2 --------------------------------------------------------------------
+    def _prepare(self, plan: LoadPlan, hit: Hit, recompute_tokens: int) -> None:
+        ctx = self.ctx
+        match = ctx.index.match(plan.data, plan.salt)
+        ctx.index.touch(match)
+        target = min(hit.pages, match.prompt_pages)
+        plan.device = min(match.depth_of("device"), target)
+        plan.host = min(match.depth_of("host"), target)
+        head = min(max(recompute_tokens, 0) // ctx.page_size, target)
+        plan.begin = plan.device if head <= plan.device else head
+        plan.prefix_mode = plan.begin == plan.device
+        plan.keys = ctx.keys(match, target)
+        if plan.prefix_mode:
+            plan.device_lock = ctx.lock(plan.data, plan.salt, plan.device, "device")
+        plan.host_lock = ctx.lock(plan.data, plan.salt, plan.host, "host")
+        plan.store_lo = plan.available = max(plan.begin, plan.host)
+        store_hi = min(target, max(hit._store_ends))
+        if hit.reach("remote") > hit.reach("host") and plan.store_lo < store_hi \
+                and ctx.workers is not None:
+            self._prefetch(plan, hit, store_hi)
+
+    def _prefetch(self, plan: LoadPlan, hit: Hit, store_hi: int) -> None:
+        task, hit._prefetch = getattr(hit, "_prefetch", None), None
+        if task is None or task.lo != plan.store_lo or task.job.cancelled:
+            if task is not None:
+                task.job.cancel()
+                self.prefetcher.unhold(task)
+            task = self.prefetcher.start(plan.data, plan.salt, plan.keys, plan.store_lo, store_hi,
+                                         hit._store_ends[0])
+        if task is None:
+            return
+        plan.task = task
+        landed = self.prefetcher.wait(task)
+        plan.landed_ids = self.prefetcher.take(task, landed)
+        plan.available = plan.store_lo + len(plan.landed_ids)
+        if task.held:
+            self.prefetcher.unhold(task)
+
+    # ---- step 4 ----------------------------------------------------------------------------
+    def _to_device(self, plan: LoadPlan, agreed: int) -> tuple[int, list[int]]:
+        ctx = self.ctx
+        end = min(agreed, plan.available)
+        if end <= plan.begin:
+            return (end if plan.prefix_mode else 0), []
+        try:
+            device_ids = ctx.index.allocate("device", end - plan.begin)
+        except PoolExhausted:
+            ctx.count("load_device_full_total")
+            return (min(plan.device, end) if plan.prefix_mode else 0), []
+        match = ctx.index.match(plan.data, plan.salt)
+        host_end = min(plan.host, end)
+        sources = match.ids("host", plan.begin, host_end) if host_end > plan.begin else []
+        sources += plan.landed_ids[:max(0, end - plan.store_lo)]
+        started = time.monotonic()
+        ctx.copy.load(sources, device_ids).wait(None)
+        if ctx.rates is not None:
+            ctx.rates.observe("host", len(device_ids) * ctx.device_pool.layout.page_bytes,
+                              time.monotonic() - started)
+        ctx.count("load_back_pages_total", len(device_ids))
+        self._keep_landed(plan)
+        if not plan.prefix_mode:
+            return end, device_ids
+        result = ctx.index.insert(plan.data, plan.keys, tier="device", ids=device_ids,
+                                  start=plan.begin, stop=end, salt=plan.salt, strict=False)
+        ctx.index.free("device", result.unused_ids)
+        return plan.begin + result.taken, []
+
+    def _keep_landed(self, plan: LoadPlan) -> None:
+        """Landed pages enter the host tier (where it stays prefix-closed) or go back."""
+        if plan.landed_ids and plan.task is not None:
+            ids, plan.landed_ids = plan.landed_ids, []
+            self.prefetcher._insert_landed(plan.task, 0, ids)
+
+    # ---- step 5 ----------------------------------------------------------------------------
+    def _finish(self, hit: Hit, plan: LoadPlan, end: int, private: list[int]) -> Loaded:
+        ctx = self.ctx
+        try:
+            self._keep_landed(plan)
+            if plan.prefix_mode:
+                node = ctx.lock(plan.data, plan.salt, end, "device")
+                ids = ctx.index.match(plan.data, plan.salt).ids("device", 0, end)
+                loaded = Loaded(end * ctx.page_size, ids, 0, hit, node)
+            else:
+                keep = private[:max(0, end - plan.begin)]
+                ctx.index.free("device", private[len(keep):])
+                start = plan.begin * ctx.page_size if keep else 0
+                loaded = Loaded((plan.begin + len(keep)) * ctx.page_size if keep else 0, keep,
+                                start, hit, None, set(keep))
+        finally:
+            ctx.unlock(plan.device_lock, "device")
+            ctx.unlock(plan.host_lock, "host")
+        ctx.count("load_total")
+        ctx.count("loaded_tokens_total", loaded.tokens - loaded.start_tokens)
+        if plan.keys:
+            self.writer.after_load(plan.data, plan.salt, plan.keys)
+        return loaded

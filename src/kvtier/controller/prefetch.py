@@ -1,0 +1,208 @@
+"""Prefetch: store -> host for the part of a prefix that only a store holds.
+
+Owns ``Prefetcher`` and the prefetch policies (``controller.prefetch_policy``):
+
+- ``best_effort``: a request never waits; it uses what has landed when it loads, and the job goes
+  on in the background — pages landing later enter the host tier for the next request;
+- ``wait_complete``: a request waits for the whole prefetch (bounded by the job deadline);
+- ``timeout`` (default): a request waits at most
+  ``min(prefetch_timeout_base_s + prefetch_timeout_per_1k_tokens_s * tokens / 1000,
+  prefetch_timeout_max_s)`` from the moment the prefetch started (defaults 50 ms + 20 ms per 1k
+  tokens, capped at 2 s). Then the job is reaped: the pages that landed form the served prefix,
+  which stops at the first missing page; the job is cancelled and the rest of its host pages are
+  released once the worker lets go of them (never earlier: it may still be writing them).
+
+No prefetch starts for fewer than ``min_prefetch_tokens`` tokens (decided on the agreed hit, so
+every rank decides alike). Host pages for landing come from the host pool (evicting host leaves
+if needed), bounded by the prefetch share of the pool (``host.prefetch_share``); a prefetch that
+does not fit is shortened, or refused when nothing fits. Outcomes are counted as
+``prefetch_total.<outcome>``: completed, timeout, failed (a store missed or raised),
+background (best effort, still landing), refused.
+
+Engine thread only; the job runs on an IO worker.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvtier.config import ControllerConfig
+from kvtier.controller.context import CacheContext
+from kvtier.controller.jobs import PrefetchJob, Segment
+from kvtier.errors import PoolExhausted
+from kvtier.memory.admission import staging_capacity_pages
+
+
+def prefetch_budget_s(config: ControllerConfig, tokens: int) -> float:
+    """How long a request waits for ``tokens`` tokens of prefetch under the timeout policy."""
+    budget = config.prefetch_timeout_base_s + config.prefetch_timeout_per_1k_tokens_s * tokens / 1e3
+    return min(budget, config.prefetch_timeout_max_s)
+
+
+@dataclass
+class PrefetchTask:
+    """One prefetch: pages ``[lo, lo + job.pages)`` of a prompt, landing in ``job.host_ids``."""
+
+    job: PrefetchJob
+    data: bytes
+    salt: bytes
+    keys: Sequence[bytes]
+    lo: int
+    disk_end: int          # pages [lo, disk_end) come from disk, the rest from remote
+    started: float
+    taken: int = 0         # leading pages handed to a load (no longer the job's)
+    background: bool = False
+    held: bool = False     # started early for a Hit that has not loaded yet: reap waits
+    ended: bool = False    # the job finished while held
+
+
+class Prefetcher:
+    """Starts, waits for and reaps prefetch jobs."""
+
+    def __init__(self, ctx: CacheContext, prefetch_share: float) -> None:
+        self.ctx = ctx
+        pages = ctx.host_pool.num_pages if ctx.has_host else 0
+        self.landing_cap = pages - staging_capacity_pages(pages, prefetch_share)
+        self.landing = 0
+        self.tasks: dict[int, PrefetchTask] = {}
+
+    def start(self, data: bytes, salt: bytes, keys: Sequence[bytes], lo: int, hi: int,
+              disk_end: int) -> PrefetchTask | None:
+        """Start reading pages ``[lo, hi)`` (disk up to ``disk_end``, remote after)."""
+        ctx = self.ctx
+        n = min(hi - lo, self.landing_cap - self.landing)
+        host_ids = self._host_pages(n) if n > 0 else []
+        if not host_ids:
+            ctx.count("prefetch_total.refused")
+            return None
+        hi = lo + len(host_ids)
+        segments: list[Segment] = []
+        if "disk" in ctx.stores and disk_end > lo:
+            segments.append(Segment("disk", ctx.stores["disk"], tuple(keys[lo:min(disk_end, hi)])))
+        if min(disk_end, hi) < hi and "remote" in ctx.stores:
+            segments.append(Segment("remote", ctx.stores["remote"],
+                                    tuple(keys[max(lo, disk_end):hi])))
+        if sum(len(s.keys) for s in segments) != len(host_ids):
+            ctx.index.free("host", host_ids)
+            raise ValueError(f"prefetch of pages [{lo}, {hi}) has no store for every page")
+        # progress is published per batch: at least four times per job, at most 16 pages apart
+        batch = max(1, min(16, len(host_ids) // 4))
+        job = PrefetchJob(segments, host_ids, ctx.config.job_deadline_s, batch_pages=batch)
+        if not ctx.workers.submit(job):
+            ctx.index.free("host", host_ids)
+            ctx.count("prefetch_total.refused")
+            return None
+        self.landing += len(host_ids)
+        ctx.host_outside += len(host_ids)
+        task = PrefetchTask(job, data, salt, keys, lo, disk_end, time.monotonic())
+        self.tasks[job.id] = task
+        return task
+
+    def _host_pages(self, n: int) -> list[int]:
+        sizes = self.ctx.index.sizes("host")
+        n = min(n, (sizes.free or 0) + sizes.evictable)
+        if n <= 0:
+            return []
+        try:
+            return self.ctx.index.allocate("host", n)
+        except PoolExhausted:
+            return []
+
+    def wait(self, task: PrefetchTask) -> int:
+        """Wait as the policy says; returns the landed pages the request may use now."""
+        config, job = self.ctx.config, task.job
+        policy = config.prefetch_policy
+        if policy == "wait_complete":
+            timeout = max(job.deadline - time.monotonic(), 0.0)
+        elif policy == "timeout":
+            budget = prefetch_budget_s(config, job.pages * self.ctx.page_size)
+            timeout = max(task.started + budget - time.monotonic(), 0.0)
+        else:
+            timeout = 0.0
+        done = job.wait(timeout)
+        landed = job.landed
+        if done:
+            outcome = "completed" if job.outcome == "completed" else "failed"
+        elif policy == "best_effort":
+            outcome, task.background = "background", True
+        else:
+            job.cancel()
+            outcome = "timeout"
+        self.ctx.count(f"prefetch_total.{outcome}")
+        return landed
+
+    def take(self, task: PrefetchTask, pages: int) -> list[int]:
+        """Hand the first ``pages`` landed host pages to the caller (who inserts or frees them)."""
+        pages = max(0, min(pages, task.job.landed) - task.taken)
+        ids = task.job.host_ids[task.taken:task.taken + pages]
+        task.taken += pages
+        self.landing -= pages
+        self.ctx.host_outside -= pages
+        self.ctx.count("prefetch_served_pages_total", pages)
+        return ids
+
+    def owns(self, job: object) -> bool:
+        return getattr(job, "id", None) in self.tasks
+
+    def reap(self, job: PrefetchJob) -> None:
+        """The job ended: keep late pages (best effort), release the rest, forget bad flags.
+        A task a ``Hit`` still holds is only marked; ``unhold`` finishes it."""
+        task = self.tasks[job.id]
+        if task.held:
+            task.ended = True
+            return
+        self._finish(task)
+
+    def unhold(self, task: PrefetchTask) -> None:
+        """The Hit that held ``task`` has loaded (or was released): reap it if it ended."""
+        task.held = False
+        if task.ended and task.job.id in self.tasks:
+            self._finish(task)
+
+    def _finish(self, task: PrefetchTask) -> None:
+        ctx, job = self.ctx, task.job
+        del self.tasks[job.id]
+        late = job.host_ids[task.taken:job.landed] if task.background else []
+        if late:
+            kept = self._insert_landed(task, task.taken, late)
+            ctx.count("prefetch_late_pages_total", kept)
+        rest = job.host_ids[task.taken:]
+        keep = set(late)
+        ctx.index.free("host", [h for h in rest if h not in keep])
+        self.landing -= len(rest)
+        ctx.host_outside -= len(rest)
+        ctx.count("prefetch_released_pages_total", len(rest) - len(late))
+        if job.outcome == "error":
+            ctx.count("prefetch_errors_total")
+        if job.missed_tier is not None:
+            self.forget_missing(task, task.lo + job.landed, job.missed_tier)
+
+    def _insert_landed(self, task: PrefetchTask, first: int, host_ids: list[int]) -> int:
+        """Put landed pages ``first..`` of the task into the host tier (where closure allows);
+        the pages it does not take are freed here. Returns the pages kept."""
+        index = self.ctx.index
+        lo = task.lo + first
+        result = index.insert(task.data, task.keys, tier="host", ids=host_ids, start=lo,
+                              stop=lo + len(host_ids), salt=task.salt, strict=False)
+        index.free("host", result.unused_ids)
+        for tier, a, b in (("disk", lo, min(task.disk_end, lo + len(host_ids))),
+                           ("remote", max(lo, task.disk_end), lo + len(host_ids))):
+            if a < b and tier in self.ctx.stores:
+                index.insert(task.data, None, tier=tier, start=a, stop=b, salt=task.salt,
+                             strict=False)
+        return result.taken
+
+    def forget_missing(self, task: PrefetchTask, page: int, tier: str) -> None:
+        """A store missed ``page``: drop the index's belief that the tier holds it (and below)."""
+        index = self.ctx.index
+        match = index.match(task.data, task.salt)
+        if match.depth_of(tier) <= page:
+            return
+        if page > 0:
+            index.boundary(task.data, page, task.salt)
+        node = index.boundary(task.data, page + 1, task.salt)
+        if node is not None:
+            index.drop(node, tier)
+            self.ctx.count(f"store_flag_dropped_total.{tier}")

@@ -1,0 +1,64 @@
+"""``TieredCache.stats()``: one plain-data snapshot of the cache (pulled, never pushed).
+
+Owns ``cache_stats``: per-tier pages (resident, evictable, protected, free), index shape, hits
+and prefetch outcomes (counters named ``a.b`` become nested ``{"a": {"b": n}}``), stores,
+workers, write admission, copy engine, pinned bytes and rank agreement. ``kvtier.metrics``
+turns it into Prometheus series. Engine thread.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvtier.controller.context import CacheContext
+from kvtier.index.residency import TIERS
+
+
+def nest_counters(counters: dict[str, int]) -> dict[str, Any]:
+    """``{"prefetch_total.timeout": 2}`` -> ``{"prefetch_total": {"timeout": 2}}``."""
+    out: dict[str, Any] = {}
+    for name, value in sorted(counters.items()):
+        head, _, rest = name.partition(".")
+        if rest:
+            slot = out.setdefault(head, {})
+            if isinstance(slot, dict):
+                for part in rest.split(".")[:-1]:
+                    slot = slot.setdefault(part, {})
+                slot[rest.split(".")[-1]] = value
+        else:
+            out[head] = value
+    return out
+
+
+def cache_stats(ctx: CacheContext, controller: Any, pinned_budget: Any) -> dict[str, Any]:
+    index = ctx.index
+    tiers = {}
+    for tier in TIERS:
+        sizes = index.sizes(tier)
+        tiers[tier] = {"pages": sizes.resident, "evictable": sizes.evictable,
+                       "protected": sizes.protected, "free": sizes.free,
+                       "tokens": sizes.resident * ctx.page_size}
+    out: dict[str, Any] = {
+        "page_size": ctx.page_size,
+        "write_policy": ctx.config.write_policy,
+        "prefetch_policy": ctx.config.prefetch_policy,
+        "tiers": tiers,
+        "index": {"nodes": sum(1 for _ in index.iter_nodes()), "salts": len(index.roots())},
+        "outside_index": controller.outstanding(),
+        "counters": nest_counters(dict(ctx.counters)),
+        "stores": {tier: store.stats().as_dict() for tier, store in ctx.stores.items()},
+        "ranks": {"distributed": controller.ranks.distributed,
+                  "collective_calls": controller.ranks.calls},
+        "rates": {"prefill_tokens_per_s": ctx.rates.prefill_tokens_per_s if ctx.rates else None,
+                  "read_bytes_per_s": {t: r for t, (r, _) in ctx.rates.rates.items()}
+                  if ctx.rates else {}},
+    }
+    if ctx.workers is not None:
+        out["workers"] = ctx.workers.stats()
+    if ctx.admission is not None:
+        out["write_admission"] = ctx.admission.stats()
+    if ctx.copy is not None:
+        out["copy"] = ctx.copy.stats()
+    if pinned_budget is not None:
+        out["pinned"] = pinned_budget.stats()
+    return out

@@ -1,0 +1,158 @@
+"""Write policies: when device pages get a host copy (device -> host), then a store backup.
+
+Owns ``HostWriter``. Policies (``controller.write_policy``):
+
+- ``write_through``: every committed page gets a host copy at commit;
+- ``write_through_selective``: a page gets one once it has been used twice (created once, hit
+  once: ``AdmitOnSecondHit``), checked at commit and at every load;
+- ``write_back``: a page gets one when the device evicts it (the index's ``on_evict`` hook; the
+  copy is waited for, since the device page is freed right after).
+
+A host copy always extends the host tier's prefix (pages ``[host depth, end)``), so the host
+tier stays prefix-closed. While a copy is in flight its device pages are locked on device, the
+host prefix above it is locked on host, and its host pages belong to the copy (not the index);
+on completion they are inserted (pages another copy already put there come back and are freed)
+and the path is handed to ``Backups``. Completions are taken in submission order.
+
+Engine thread only: the copy engine's tickets are polled, never waited on, except by write-back.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.controller.backups import Backups
+from kvtier.controller.context import CacheContext, path_of, split_keys
+from kvtier.errors import PoolExhausted
+from kvtier.index.eviction import AdmissionPolicy, AdmitAll, AdmitOnSecondHit
+from kvtier.index.match import IndexMatch
+from kvtier.index.residency import TIER_INDEX, Node
+
+HOST = TIER_INDEX["host"]
+
+
+@dataclass
+class HostCopy:
+    """A device -> host copy in flight."""
+
+    ticket: Any
+    data: bytes
+    salt: bytes
+    keys: Sequence[bytes]
+    lo: int
+    host_ids: list[int]
+    device_node: Node | None
+    host_node: Node | None
+
+
+class HostWriter:
+    """Applies the write policy and completes device -> host copies."""
+
+    def __init__(self, ctx: CacheContext, backups: Backups) -> None:
+        self.ctx = ctx
+        self.backups = backups
+        self.policy = ctx.config.write_policy
+        self.admission: AdmissionPolicy = (
+            AdmitOnSecondHit() if self.policy == "write_through_selective" else AdmitAll())
+        self.pending: deque[HostCopy] = deque()
+
+    # ---- policy entry points -------------------------------------------------------------
+    def after_commit(self, data: bytes, salt: bytes, keys: Sequence[bytes]) -> None:
+        if self.policy == "write_back" or not self.ctx.has_host:
+            self.backups.want(data, salt, keys)
+            return
+        match = self.ctx.index.match(data, salt)
+        self.copy(data, salt, keys, self._admitted_depth(match))
+
+    def after_load(self, data: bytes, salt: bytes, keys: Sequence[bytes]) -> None:
+        """A prefix was used again: the selective policy may now admit it."""
+        if self.policy == "write_through_selective" and self.ctx.has_host:
+            match = self.ctx.index.match(data, salt)
+            self.copy(data, salt, keys, self._admitted_depth(match))
+
+    def _admitted_depth(self, match: IndexMatch) -> int:
+        depth = 0
+        for node, used in match.path:
+            if not self.admission.admit(node, node.hits):
+                break
+            depth += used
+        return min(depth, match.depth_of("device"))
+
+    def on_evict(self, node: Node, tier: str) -> None:
+        """Index hook: under write-back, copy a device victim (and its path) to host first."""
+        if tier != "device" or self.policy != "write_back" or not self.ctx.has_host:
+            return
+        if node.res[HOST] is not None:
+            return
+        data, raw_keys = path_of(node)
+        self.copy(data, node.salt, split_keys(raw_keys), len(data) // self.ctx.step, wait=True)
+
+    # ---- copies ------------------------------------------------------------------------------
+    def copy(self, data: bytes, salt: bytes, keys: Sequence[bytes], stop: int, *,
+             wait: bool = False) -> int:
+        """Copy device pages ``[host depth, stop)`` to host; returns the pages submitted."""
+        ctx = self.ctx
+        before = ctx.index.match(data, salt)
+        lo, hi = before.depth_of("host"), min(stop, before.depth_of("device"))
+        if hi <= lo:
+            return 0
+        host_node = ctx.lock(data, salt, lo, "host")
+        device_node = ctx.lock(data, salt, hi, "device")
+        host_ids = self._host_pages(hi - lo)
+        if not host_ids:
+            ctx.unlock(host_node, "host")
+            ctx.unlock(device_node, "device")
+            return 0
+        match = ctx.index.match(data, salt)  # boundaries may have split nodes: walk again
+        device_ids = match.ids("device", lo, lo + len(host_ids))
+        ticket = ctx.copy.store(device_ids, host_ids)
+        ctx.host_outside += len(host_ids)
+        ctx.count("host_copy_pages_total", len(host_ids))
+        record = HostCopy(ticket, data, salt, keys, lo, host_ids, device_node, host_node)
+        if wait:
+            ticket.wait(None)
+            self._complete(record)
+        else:
+            self.pending.append(record)
+            self.poll()
+        return len(host_ids)
+
+    def _host_pages(self, wanted: int) -> list[int]:
+        sizes = self.ctx.index.sizes("host")
+        n = min(wanted, (sizes.free or 0) + sizes.evictable)
+        if n < wanted:
+            self.ctx.count("host_copy_short_pages_total", wanted - n)
+        if n <= 0:
+            return []
+        try:
+            return self.ctx.index.allocate("host", n)
+        except PoolExhausted:
+            self.ctx.count("host_copy_short_pages_total", n)
+            return []
+
+    def poll(self) -> None:
+        """Complete finished copies, oldest first (stops at the first still in flight)."""
+        while self.pending and self.pending[0].ticket.is_done():
+            self._complete(self.pending.popleft())
+
+    def drain(self) -> None:
+        while self.pending:
+            record = self.pending.popleft()
+            record.ticket.wait(None)
+            self._complete(record)
+
+    def _complete(self, record: HostCopy) -> None:
+        ctx = self.ctx
+        n = len(record.host_ids)
+        result = ctx.index.insert(record.data, record.keys, tier="host", ids=record.host_ids,
+                                  start=record.lo, stop=record.lo + n, salt=record.salt,
+                                  strict=False)
+        ctx.index.free("host", result.unused_ids)
+        ctx.host_outside -= n
+        ctx.count("host_copy_dropped_pages_total", len(result.unused_ids))
+        ctx.unlock(record.device_node, "device")
+        ctx.unlock(record.host_node, "host")
+        self.backups.want(record.data, record.salt, record.keys)

@@ -1,0 +1,247 @@
+"""Prefill through the tiered cache: match, load (or recompute) the hit, prefill the rest, commit.
+
+Owns ``PrefixCache``, the engine's side of ``kvtier.cache.TieredCache``. For each prompt:
+
+1. ``match`` the prompt's full pages; the hit may sit on any tier (device, host, disk, remote).
+2. Split the hit (``plan_split``, the planner's cost model): recompute its head while the tail
+   loads, so both finish together. On CUDA the recompute runs on a side stream, queued before
+   the load starts, so the GPU computes while the disk reads and the copy engine copies; with
+   ``split="load"`` nothing is recomputed, with ``split="recompute"`` nothing is loaded.
+3. ``load`` the tail to device pages (pinned by the returned ``Loaded``) and append their KV to
+   the model's cache after the recomputed head.
+4. Prefill the remaining tokens (at least one: the last position's logits choose the first
+   token), write every full page the device tier does not hold into fresh device pages,
+   ``commit`` them all under the write policy, and release the pins.
+
+``finish`` commits the full pages generation added. The model's cache keeps a private copy of
+the KV, so pages go back to the cache as soon as they are committed. Cold prefills are timed and
+reported (``observe_prefill``): the split needs the model's prefill rate. Engine thread only.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvtier.config import KvtierConfig
+from kvtier.engine import kv_pages
+from kvtier.engine.hf import CausalLM
+from kvtier.engine.request import TIERS, PrefillReport
+from kvtier.keys import KeyNamespace
+
+SPLITS = ("plan", "load", "recompute")
+
+
+@dataclass
+class PrefixState:
+    """What a sequence keeps between prefill and finish: its committed full pages."""
+
+    committed_pages: int
+
+
+class PrefixCache:
+    """Serves prefills from a ``TieredCache``; see the module docstring."""
+
+    def __init__(self, lm: CausalLM, tiered: Any, *, split: str = "plan") -> None:
+        self.lm = lm
+        self.tiered = tiered
+        self.page_size = int(tiered.page_size)
+        self.split = split
+        layout = lm.kv_layout(self.page_size)
+        kv_pages.check_pool(tiered.device_pool.kv, layout.num_layers, layout.num_kv_heads,
+                            layout.head_dim, lm.dtype)
+        self._side = torch.cuda.Stream(lm.device) if lm.device.type == "cuda" else None
+
+    @classmethod
+    def build(cls, config: KvtierConfig, lm: CausalLM, *, split: str = "plan") -> PrefixCache:
+        from kvtier.cache import TieredCache
+
+        page_size = config.cache.page_size
+        layout = lm.kv_layout(page_size)
+        namespace = KeyNamespace(lm.name, lm.fingerprint, lm.dtype_name, layout.fingerprint(),
+                                 page_size)
+        tiered = TieredCache.build(config, layout, namespace, device=str(lm.device))
+        return cls(lm, tiered, split=split)
+
+    @property
+    def split(self) -> str:
+        return self._split
+
+    @split.setter
+    def split(self, value: str) -> None:
+        if value not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {value!r}")
+        self._split = value
+
+    @property
+    def pool(self) -> torch.Tensor:
+        return self.tiered.device_pool.kv
+
+    # ---- prefill -----------------------------------------------------------------------------
+    def prefill(self, prompt: list[int], salt: str | None,
+                report: PrefillReport) -> tuple[Any, torch.Tensor, PrefixState]:
+        started = time.perf_counter()
+        hit = self.tiered.match(prompt, salt)
+        report.matched_tokens = hit.tokens
+        head = self._head_tokens(hit)
+        kv = self.lm.new_cache()
+        self._recompute(prompt[:head], kv)
+        loaded = self.tiered.load(hit, recompute_tokens=head) if hit.tokens > head else None
+        try:
+            self._join_side_stream(kv)
+            span = self._usable_span(loaded, head)
+            past = head + kv_pages.append_pages(kv, self.pool, span[2]) if span else head
+            reused = past - head
+            if past >= len(prompt):  # the last position must run to give the first token
+                kv.crop(len(prompt) - 1 - past)
+                reused, past = reused - (past - len(prompt) + 1), len(prompt) - 1
+            logits = self.lm.forward(self._tensor(prompt[past:]), kv)
+            self._account(report, hit, head, reused, len(prompt) - past)
+            if reused == 0 and head == 0:
+                self._observe(len(prompt), started)
+            pages = self._commit(prompt, kv, salt, span)
+        finally:
+            if loaded is not None:
+                self.tiered.release(loaded)
+        return kv, logits, PrefixState(pages)
+
+    def _head_tokens(self, hit: Any) -> int:
+        """Tokens at the head of the hit to recompute instead of loading (a page multiple)."""
+        if hit.tokens == 0 or self._split == "load":
+            return 0
+        if self._split == "recompute":
+            return hit.tokens
+        planned = int(self.tiered.plan_split(hit))
+        return max(0, min(planned - planned % self.page_size, hit.tokens))
+
+    def _recompute(self, head: list[int], kv: Any) -> None:
+        """Run the head of the hit; on CUDA queued on a side stream (the load is not made to
+        wait for it), so it overlaps the load that follows."""
+        if not head:
+            return
+        if self._side is None:
+            self.lm.forward(self._tensor(head), kv)
+            return
+        self._side.wait_stream(torch.cuda.current_stream(self.lm.device))
+        with torch.cuda.stream(self._side):
+            self.lm.forward(self._tensor(head), kv)
+
+    def _join_side_stream(self, kv: Any) -> None:
+        if self._side is None:
+            return
+        current = torch.cuda.current_stream(self.lm.device)
+        current.wait_stream(self._side)
+        for layer in getattr(kv, "layers", []):
+            for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
+                    tensor.record_stream(current)
+
+    def _usable_span(self, loaded: Any, head: int) -> tuple[int, int, list[int]] | None:
+        """(first token, end token, device pages) of the loaded KV that continues the head."""
+        if loaded is None or loaded.tokens <= head or loaded.start_tokens > head:
+            return None
+        skip = (head - loaded.start_tokens) // self.page_size
+        return head, loaded.tokens, list(loaded.device_page_ids[skip:])
+
+    def _account(self, report: PrefillReport, hit: Any, head: int, reused: int,
+                 computed: int) -> None:
+        report.cached_tokens = reused
+        report.recomputed_hit_tokens = min(head, hit.tokens)
+        report.computed_tokens = computed + head
+        report.cached_by_tier = _attribute(hit.tokens_by_tier, head, reused)
+
+    def _observe(self, tokens: int, started: float) -> None:
+        if self.lm.device.type == "cuda":
+            torch.cuda.synchronize(self.lm.device)
+        self.tiered.observe_prefill(tokens, time.perf_counter() - started)
+
+    # ---- commit ------------------------------------------------------------------------------
+    def _device_prefix(self, tokens: list[int], salt: str | None) -> list[int]:
+        """Device page ids of the prefix of ``tokens`` the device tier holds now."""
+        match = self.tiered.ctx.index.match(tokens, salt)
+        return match.ids("device", 0, match.depth_of("device"))
+
+    def _commit(self, tokens: list[int], kv: Any, salt: str | None,
+                span: tuple[int, int, list[int]] | None) -> int:
+        """Commit every full page of ``tokens``: the device tier's pages where it holds them,
+        the loaded span's pages, and fresh pages written from ``kv`` for the rest."""
+        full = len(tokens) // self.page_size
+        if full == 0:
+            return 0
+        fresh: list[int] = []
+        while True:  # allocating may evict unpinned device pages: look again after it
+            held = dict(enumerate(self._device_prefix(tokens, salt)[:full]))
+            if span is not None:
+                first = span[0] // self.page_size
+                held.update({first + i: pid for i, pid in enumerate(span[2]) if first + i < full})
+            missing = [p for p in range(full) if p not in held]
+            if len(fresh) >= len(missing):
+                break
+            fresh += self.tiered.allocate(len(missing) - len(fresh))
+        self.tiered.free(fresh[len(missing):])
+        for page, page_id in zip(missing, fresh, strict=False):
+            held[page] = page_id
+        for start, ids in _runs(missing, fresh[:len(missing)]):
+            kv_pages.write_pages(kv, self.pool, start * self.page_size, ids)
+        self.tiered.commit(tokens[:full * self.page_size], [held[p] for p in range(full)], salt)
+        return full
+
+    def finish(self, state: PrefixState, tokens: list[int], kv: Any, salt: str | None, *,
+               commit: bool = True) -> None:
+        """Commit the full pages generation added beyond the prompt's (``tokens`` are those
+        whose KV ``kv`` holds)."""
+        if commit and kv is not None and len(tokens) // self.page_size > state.committed_pages:
+            state.committed_pages = self._commit(tokens, kv, salt, None)
+
+    # ---- tiers ---------------------------------------------------------------------------------
+    def settle(self, timeout_s: float = 120.0) -> bool:
+        """Wait until every copy and store write in flight has finished."""
+        return bool(self.tiered.drain(timeout_s))
+
+    def drop_tiers(self, tiers: tuple[str, ...]) -> None:
+        """Forget what ``tiers`` (device, host) hold, so the next hit comes from a lower tier."""
+        self.settle()
+        if "device" in tiers and "host" in tiers:
+            self.tiered.flush()
+            return
+        for tier in tiers:
+            self.tiered.ctx.index.clear(tier)
+
+    # ---- passthrough ---------------------------------------------------------------------------
+    def poll(self) -> None:
+        self.tiered.poll()
+
+    def stats(self) -> dict[str, Any]:
+        return self.tiered.stats()
+
+    def close(self) -> None:
+        self.tiered.close()
+
+    def _tensor(self, tokens: list[int]) -> torch.Tensor:
+        return torch.tensor(tokens, dtype=torch.long, device=self.lm.device)
+
+
+def _runs(pages: list[int], ids: list[int]) -> list[tuple[int, list[int]]]:
+    """Group consecutive prefix pages: [(first page, their device ids), ...]."""
+    out: list[tuple[int, list[int]]] = []
+    for page, page_id in zip(pages, ids, strict=True):
+        if out and out[-1][0] + len(out[-1][1]) == page:
+            out[-1][1].append(page_id)
+        else:
+            out.append((page, [page_id]))
+    return out
+
+
+def _attribute(tokens_by_tier: dict[str, int], head: int, reused: int) -> dict[str, int]:
+    """Split the reused span ``[head, head + reused)`` by tier: ``tokens_by_tier`` gives each
+    tier's run in prefix order (device first, then host, disk, remote)."""
+    out = dict.fromkeys(TIERS, 0)
+    lo, end = 0, head + reused
+    for tier in TIERS:
+        hi = lo + int(tokens_by_tier.get(tier, 0))
+        out[tier] = max(0, min(hi, end) - max(lo, head))
+        lo = hi
+    return out

@@ -1,0 +1,117 @@
+"""Text tables and the plot of a replay study (``kvtier.replay.study``'s output).
+
+Owns ``study_tables`` (plain fixed-width tables, one per part of the study) and ``write_plot``
+(served share against capacity for each policy and the offline bound, as a PNG; matplotlib is
+imported lazily, and the plot is skipped with a note when it is missing). Main thread.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kvtier.machine import format_table
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.2f}"
+
+
+def _curve_table(rows: list[dict[str, Any]], policies: list[str]) -> str:
+    headers = ["tokens", "pages", *(f"{p} %" for p in policies), "bound %"]
+    body = [[f"{r['tokens'] / 1e6:.3g}M", r["pages"], *(_pct(r[p]) for p in policies),
+             _pct(r["bound"])] for r in rows]
+    return format_table(headers, body)
+
+
+def _tiers_table(tiers: list[dict[str, Any]]) -> str:
+    rows = []
+    for r in tiers:
+        cfg = r["config"]
+        rows.append([r["label"], cfg["policy"], cfg["write_policy"],
+                     *(_pct(r["share_by_tier"][t]) for t in ("device", "host", "disk")),
+                     _pct(r["served_share"]), r["written_pages"]["host"],
+                     r["written_pages"]["disk"], r["written_pages"]["disk"] * cfg["block_tokens"]])
+    return format_table(["tiers", "policy", "write policy", "device %", "host %", "disk %",
+                         "all %", "host writes (pages)", "disk writes (pages)",
+                         "disk writes (tokens)"], rows)
+
+
+def _overhead_table(overhead: dict[str, Any]) -> str:
+    rows = []
+    for policy, o in overhead.items():
+        calls = o["calls"]
+        rows.append([policy, *(f"{calls[m]['us_per_call']:.2f}" for m in
+                               ("touch", "add", "remove", "pop_victim", "all")),
+                     f"{o['us_per_request']:.1f}", f"{o['replay_s']:.1f}"])
+    return format_table(["policy", "touch us", "add us", "remove us", "pop_victim us",
+                         "mean us/call", "policy us/request", "replay s (timed)"], rows)
+
+
+def _savings_table(savings: list[dict[str, Any]]) -> str:
+    rows = [[s["config"], s["policy"], s["write_policy"], s["model"],
+             f"{s['prefill_gpu_s']:.0f}", f"{s['saved_gpu_s']:.0f}", _pct(s["saved_share"]),
+             *(f"{s['saved_by_tier_s'][t]:.0f}" for t in ("device", "host", "disk"))]
+            for s in savings]
+    return format_table(["tiers", "policy", "write policy", "model", "prefill GPU s",
+                         "saved GPU s", "saved %", "device s", "host s", "disk s"], rows)
+
+
+def study_tables(data: dict[str, Any]) -> str:
+    """Every table of a study, with a title line each."""
+    policies = data["policies"]
+    trace = data["trace"]
+    parts = [f"trace {trace['name']}: {trace['requests']} requests, {trace['input_tokens']} "
+             f"input tokens, infinite-capacity share {_pct(trace['infinite_share'])} %",
+             "\nServed share vs capacity (single tier):", _curve_table(data["curve"], policies),
+             "\nValidation against the published LRU figures:",
+             format_table(["tokens", "published %", "replayed %"],
+                          [[f"{v['tokens'] / 1e6:g}M", _pct(v["published_lru"]),
+                            _pct(v["replayed_lru"])] for v in data["validation"]])]
+    for name, rows in data["held_out"].items():
+        parts += [f"\nHeld-out part {name}:", _curve_table(rows, policies)]
+    for name, body in data["synthetic"].items():
+        parts += [f"\nSynthetic workload {name} ({body['trace']['requests']} requests, "
+                  f"{body['trace']['unique_blocks']} unique blocks):",
+                  _curve_table(body["curve"], policies)]
+    parts += ["\nWrite policies on device + host + disk:", _tiers_table(data["tiers"]),
+              "\nPolicy overhead (single tier, 3M tokens; microseconds per call):",
+              _overhead_table(data["overhead"]),
+              "\nPrefill GPU time saved over the whole trace (H200 cost model):",
+              _savings_table(data["savings"])]
+    return "\n".join(parts)
+
+
+def write_plot(data: dict[str, Any], path: str | Path) -> Path | None:
+    """Served share vs capacity for each policy, the offline bound and infinite capacity."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed: no plot written to {path}")
+        return None
+    rows = data["curve"]
+    x = [r["tokens"] / 1e6 for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    for name in [*data["policies"], "bound"]:
+        label = "offline bound (Belady)" if name == "bound" else name
+        ax.plot(x, [100 * r[name] for r in rows], marker="o", label=label,
+                linestyle="--" if name == "bound" else "-")
+    ax.axhline(100 * data["trace"]["infinite_share"], color="grey", linewidth=0.8,
+               label="infinite capacity")
+    ax.set_xscale("log")
+    ax.set_xticks(x, [f"{v:g}M" for v in x])
+    ax.minorticks_off()
+    ax.set_xlabel("cache capacity (tokens, single tier)")
+    ax.set_ylabel("input tokens served from cache (%)")
+    ax.set_title(f"{data['trace']['name']}: served share vs capacity")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return out

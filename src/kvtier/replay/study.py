@@ -1,0 +1,145 @@
+"""The replay study behind ``kvtier bench replay --study DIR``.
+
+Owns the experiment plan and its report: the served share against capacity for each policy and
+the offline bound (with the LRU validation figures the trace's README publishes), the same on
+held-out halves of the trace and on synthetic workloads of other shapes, write policies on a
+device + host + disk hierarchy with the disk write volume, the policies' cost per call, and the
+prefill GPU time each configuration saves for 8B and 70B shapes. Writes
+``replay_study.json`` (with machine info), ``replay_study.txt`` (tables) and
+``replay_served_vs_capacity.png`` into DIR. Main thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvtier.machine import write_report
+from kvtier.replay import synthetic
+from kvtier.replay.bound import next_uses, offline_bound
+from kvtier.replay.savings import MODEL_SHAPES, price
+from kvtier.replay.simulator import ReplayConfig, ReplayResult, replay
+from kvtier.replay.trace import Trace
+
+POLICIES: tuple[str, ...] = ("lru", "lrfu")
+CURVE_TOKENS: tuple[int, ...] = (500_000, 1_000_000, 2_000_000, 3_000_000, 5_000_000,
+                                 10_000_000, 20_000_000)
+HALF_TOKENS: tuple[int, ...] = (1_000_000, 3_000_000, 10_000_000)
+#: LRU shares the trace's README publishes (single tier), to validate the replay against.
+PUBLISHED_LRU: dict[int, float] = {1_000_000: 0.054, 3_000_000: 0.138, 10_000_000: 0.291}
+SYNTHETIC_FRACTIONS: tuple[float, ...] = (0.02, 0.05, 0.1, 0.2)
+TIER_CONFIGS: tuple[tuple[int, int, int], ...] = ((500_000, 1_000_000, 10_000_000),)
+
+Progress = Callable[[Trace, str], Any]
+
+
+def capacity_curve(trace: Trace, capacities: Sequence[int], bar: Progress,
+                   policies: Sequence[str] = POLICIES) -> list[dict[str, Any]]:
+    """Served share per single-tier capacity for each policy, and the offline bound."""
+    uses = next_uses(trace)
+    rows = []
+    for tokens in capacities:
+        row: dict[str, Any] = {"tokens": tokens, "pages": tokens // trace.block_tokens}
+        for policy in policies:
+            with bar(trace, f"{policy} {tokens / 1e6:g}M") as b:
+                result = replay(trace, ReplayConfig(tokens, policy=policy,
+                                                    block_tokens=trace.block_tokens),
+                                progress=b.update)
+            row[policy] = result.served_share
+        row["bound"] = offline_bound(trace, row["pages"], uses).share
+        rows.append(row)
+    return rows
+
+
+def synthetic_curves(bar: Progress, shape: synthetic.Shape) -> dict[str, Any]:
+    """The capacity curve on each synthetic workload, capacities as shares of its blocks."""
+    out: dict[str, Any] = {}
+    for name in synthetic.GENERATORS:
+        trace = synthetic.make(name, shape)
+        blocks = trace.unique_blocks()
+        tokens = [max(int(blocks * f), 1) * trace.block_tokens for f in SYNTHETIC_FRACTIONS]
+        out[name] = {"trace": trace.summary(), "curve": capacity_curve(trace, tokens, bar)}
+    return out
+
+
+def tier_runs(trace: Trace, bar: Progress) -> list[ReplayResult]:
+    """Each policy and write policy on each device + host + disk configuration."""
+    results = []
+    for device, host, disk in TIER_CONFIGS:
+        for write_policy in ("write_through", "write_through_selective"):
+            for policy in POLICIES:
+                config = ReplayConfig(device, host, disk, policy, write_policy,
+                                      trace.block_tokens)
+                with bar(trace, config.label()) as b:
+                    results.append(replay(trace, config, progress=b.update))
+    return results
+
+
+def single_tier_runs(trace: Trace, bar: Progress, tokens: Sequence[int]) -> list[ReplayResult]:
+    results = []
+    for capacity in tokens:
+        for policy in POLICIES:
+            config = ReplayConfig(capacity, policy=policy, block_tokens=trace.block_tokens)
+            with bar(trace, config.label()) as b:
+                results.append(replay(trace, config, progress=b.update))
+    return results
+
+
+def overhead(trace: Trace, bar: Progress, tokens: int = 3_000_000) -> dict[str, Any]:
+    """Mean microseconds per policy call, and policy time per request, for each policy."""
+    out = {}
+    for policy in POLICIES:
+        config = ReplayConfig(tokens, policy=policy, block_tokens=trace.block_tokens)
+        with bar(trace, f"timing {policy}") as b:
+            result = replay(trace, config, timed=True, progress=b.update)
+        timing = (result.policy_timing or {})["device"]
+        spent_us = timing["all"]["calls"] * timing["all"]["us_per_call"]
+        out[policy] = {"calls": timing, "replay_s": result.elapsed_s,
+                       "us_per_request": spent_us / max(result.requests, 1),
+                       "pages_evicted": result.evicted_pages["device"]}
+    return out
+
+
+def savings(results: Sequence[ReplayResult]) -> list[dict[str, Any]]:
+    rows = []
+    for result in results:
+        for key, shape in MODEL_SHAPES.items():
+            s = price(result.per_request, shape)
+            rows.append({"config": result.config.label(), "policy": result.config.policy,
+                         "write_policy": result.config.write_policy, "model": key,
+                         "prefill_gpu_s": s.prefill_s, "saved_gpu_s": s.saved_s,
+                         "saved_share": s.saved_share, "saved_by_tier_s": s.saved_by_tier,
+                         "kv_bytes_per_token": shape.kv_bytes_per_token})
+    return rows
+
+
+def run_study(trace: Trace, out_dir: str | Path, progress: bool = True,
+              shape: synthetic.Shape | None = None) -> dict[str, Any]:
+    """Run every part of the study on ``trace`` and write the report files."""
+    from kvtier.commands.bench_replay import progress_bar
+    from kvtier.replay.report import study_tables, write_plot
+
+    def bar(t: Trace, label: str) -> Any:
+        return progress_bar(len(t), label, progress)
+
+    data: dict[str, Any] = {"trace": trace.summary(), "policies": list(POLICIES)}
+    data["curve"] = capacity_curve(trace, CURVE_TOKENS, bar)
+    data["validation"] = [{"tokens": t, "published_lru": share,
+                           "replayed_lru": next(r["lru"] for r in data["curve"] if r["tokens"] == t)}
+                          for t, share in PUBLISHED_LRU.items()]
+    data["held_out"] = {trace.part(i, 2).name: capacity_curve(trace.part(i, 2), HALF_TOKENS, bar)
+                        for i in range(2)}
+    data["synthetic"] = synthetic_curves(bar, shape or synthetic.Shape())
+    tiers = tier_runs(trace, bar)
+    data["tiers"] = [r.to_dict() for r in tiers]
+    data["overhead"] = overhead(trace, bar)
+    data["savings"] = savings(single_tier_runs(trace, bar, (1_000_000, 3_000_000)) + tiers)
+    out = Path(out_dir)
+    write_report(out / "replay_study.json", "replay_study", data)
+    text = study_tables(data)
+    (out / "replay_study.txt").write_text(text + "\n", encoding="utf-8")
+    write_plot(data, out / "replay_served_vs_capacity.png")
+    print(text)
+    return data
+

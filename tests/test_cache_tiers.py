@@ -1,0 +1,238 @@
+"""TieredCache across tiers: write policies, eviction down the tiers and reload, salts, commits."""
+
+from __future__ import annotations
+
+import pytest
+
+from cache_support import P, assert_kv, make_cache, prompt, serve, store_keys, write_kv
+from kvtier.errors import PoolExhausted
+from kvtier.store.memory import MemoryStore
+from kvtier.store.wrappers import CountingStore
+
+
+def disk_store() -> MemoryStore:
+    from cache_support import LAYOUT
+
+    return MemoryStore(LAYOUT.page_bytes)
+
+
+def test_write_through_reaches_the_store() -> None:
+    disk = disk_store()
+    with make_cache(stores={"disk": disk}) as cache:
+        tokens = prompt(6, seed=1, extra=3)
+        serve(cache, tokens)
+        assert cache.drain()
+        assert disk.contains(store_keys(tokens)) == [True] * 6
+        stats = cache.stats()
+        assert stats["tiers"]["host"]["pages"] == 6
+        assert stats["tiers"]["disk"]["pages"] == 6
+        assert stats["counters"]["backup_pages_total"]["disk"] == 6
+        cache.check_integrity()
+
+
+def test_device_to_host_to_store_and_back_gives_identical_bytes() -> None:
+    disk = disk_store()
+    with make_cache(device_pages=8, host_pages=16, stores={"disk": disk}) as cache:
+        first = prompt(6, seed=2)
+        serve(cache, first)
+        cache.drain()
+        for seed in range(3, 8):  # push the first prompt out of device and host
+            serve(cache, prompt(6, seed=seed))
+            cache.drain()
+        hit = cache.match(first)
+        assert hit.tokens_by_tier["disk"] > 0 and hit.tokens == 6 * P
+        loaded = cache.load(hit)
+        assert loaded.tokens == 6 * P
+        assert_kv(cache, first, loaded.device_page_ids)
+        cache.release(loaded)
+        cache.check_integrity()
+
+
+def test_flush_drops_device_and_host_but_stores_keep_everything() -> None:
+    disk = disk_store()
+    with make_cache(stores={"disk": disk}) as cache:
+        tokens = prompt(5, seed=3)
+        serve(cache, tokens)
+        dropped = cache.flush()
+        assert dropped == {"device": 5, "host": 5}
+        hit = cache.match(tokens)
+        assert hit.tokens_by_tier == {"device": 0, "host": 0, "disk": 5 * P, "remote": 0}
+        _, loaded = serve(cache, tokens)
+        assert loaded.tokens == 5 * P
+        cache.check_integrity()
+
+
+def test_pinned_pages_survive_flush_and_eviction() -> None:
+    with make_cache(device_pages=8, host_pages=0) as cache:
+        tokens = prompt(4, seed=4)
+        serve(cache, tokens)
+        loaded = cache.load(cache.match(tokens))
+        cache.flush()
+        assert cache.stats()["tiers"]["device"]["pages"] == 4
+        with pytest.raises(PoolExhausted):
+            cache.allocate(5)
+        assert len(cache.allocate(4)) == 4
+        assert_kv(cache, tokens, loaded.device_page_ids)
+        cache.release(loaded)
+        cache.release(loaded)  # idempotent
+        assert cache.stats()["tiers"]["device"]["evictable"] == 4
+
+
+def test_salts_isolate_tenants_on_every_tier() -> None:
+    disk = disk_store()
+    with make_cache(stores={"disk": disk}) as cache:
+        tokens = prompt(4, seed=5)
+        serve(cache, tokens, salt="tenant-a")
+        cache.drain()
+        assert cache.match(tokens, "tenant-b").tokens == 0
+        assert cache.match(tokens).tokens == 0
+        assert cache.match(tokens, "tenant-a").tokens_by_tier["device"] == 4 * P
+        assert disk.contains(store_keys(tokens, "tenant-b")) == [False] * 4
+        cache.flush()
+        assert cache.match(tokens, "tenant-b").tokens == 0
+        assert cache.match(tokens, "tenant-a").tokens_by_tier["disk"] == 4 * P
+
+
+def test_requests_sharing_a_prefix_share_pages_and_free_duplicates() -> None:
+    with make_cache(device_pages=32) as cache:
+        base = prompt(4, seed=6)
+        a, b = base + prompt(2, seed=7), base + prompt(3, seed=8)
+        hit_a, hit_b = cache.match(a), cache.match(b)  # both miss, both compute the prefix
+        loaded_a, loaded_b = cache.load(hit_a), cache.load(hit_b)
+        ids_a, ids_b = cache.allocate(6), cache.allocate(7)
+        write_kv(cache, a, ids_a)
+        write_kv(cache, b, ids_b)
+        cache.commit(a, ids_a)
+        cache.commit(b, ids_b)  # pages 0-3 are already held: b's copies are freed
+        cache.release(loaded_a)
+        cache.release(loaded_b)
+        assert cache.stats()["tiers"]["device"]["pages"] == 6 + 3
+        hit = cache.match(b)
+        assert hit.device_page_ids[:4] == ids_a[:4]
+        assert_kv(cache, b, hit.device_page_ids)
+        cache.check_integrity()
+
+
+def test_concurrent_loads_of_one_prefix_pin_it_for_both() -> None:
+    disk = disk_store()
+    with make_cache(stores={"disk": disk}) as cache:
+        tokens = prompt(6, seed=9)
+        serve(cache, tokens)
+        cache.flush()
+        first = cache.load(cache.match(tokens))
+        second = cache.load(cache.match(tokens))
+        assert first.device_page_ids == second.device_page_ids
+        assert cache.stats()["tiers"]["device"]["protected"] == 6
+        cache.release(first)
+        assert cache.stats()["tiers"]["device"]["protected"] == 6
+        cache.release(second)
+        assert cache.stats()["tiers"]["device"]["protected"] == 0
+        cache.check_integrity()
+
+
+def test_commit_refuses_page_ids_it_did_not_hand_out() -> None:
+    with make_cache() as cache:
+        tokens = prompt(2, seed=10)
+        with pytest.raises(ValueError, match="not handed out"):
+            cache.commit(tokens, [0, 1])
+        ids = cache.allocate(2)
+        with pytest.raises(ValueError, match="twice"):
+            cache.commit(tokens, [ids[0], ids[0]])
+        cache.free(ids)
+        cache.check_integrity()
+
+
+def test_partial_last_page_is_never_committed() -> None:
+    with make_cache() as cache:
+        tokens = prompt(3, seed=11, extra=2)
+        ids = cache.allocate(4)
+        write_kv(cache, tokens[:12], ids[:3])
+        cache.commit(tokens, ids)  # the fourth id (partial page) goes back to the pool
+        assert cache.stats()["tiers"]["device"]["pages"] == 3
+        assert cache.stats()["tiers"]["device"]["free"] == 32 - 3
+        cache.check_integrity()
+
+
+def test_write_back_copies_to_host_only_when_the_device_evicts() -> None:
+    with make_cache(device_pages=8, host_pages=16, write_policy="write_back") as cache:
+        first = prompt(6, seed=12)
+        serve(cache, first)
+        assert cache.stats()["tiers"]["host"]["pages"] == 0
+        serve(cache, prompt(6, seed=13))  # evicts the first prompt's pages: written back
+        hit = cache.match(first)
+        assert hit.tokens == 6 * P and hit.tokens_by_tier["host"] > 0
+        _, loaded = serve(cache, first)
+        assert loaded.tokens == 6 * P
+        cache.check_integrity()
+
+
+def test_write_through_selective_copies_on_the_second_hit() -> None:
+    with make_cache(write_policy="write_through_selective") as cache:
+        tokens = prompt(4, seed=14)
+        serve(cache, tokens)
+        assert cache.stats()["tiers"]["host"]["pages"] == 0
+        serve(cache, tokens)
+        assert cache.stats()["tiers"]["host"]["pages"] == 4
+        cache.check_integrity()
+
+
+def test_recomputed_head_loads_only_the_tail_into_private_pages() -> None:
+    disk = disk_store()
+    with make_cache(stores={"disk": disk}) as cache:
+        tokens = prompt(8, seed=15)
+        serve(cache, tokens)
+        cache.flush()
+        hit = cache.match(tokens)
+        loaded = cache.load(hit, recompute_tokens=3 * P)
+        assert (loaded.start_tokens, loaded.tokens) == (3 * P, 8 * P)
+        assert_kv(cache, tokens, loaded.device_page_ids, 3)
+        assert cache.stats()["tiers"]["device"]["pages"] == 0  # not indexed until committed
+        cache.check_integrity()
+        fresh = cache.allocate(3)
+        write_kv(cache, tokens, fresh)
+        cache.commit(tokens, fresh + loaded.device_page_ids)
+        cache.release(loaded)
+        assert cache.match(tokens).tokens_by_tier["device"] == 8 * P
+        cache.check_integrity()
+
+
+def test_release_without_commit_frees_private_pages() -> None:
+    disk = disk_store()
+    with make_cache(stores={"disk": disk}) as cache:
+        tokens = prompt(6, seed=16)
+        serve(cache, tokens)
+        cache.flush()
+        loaded = cache.load(cache.match(tokens), recompute_tokens=2 * P)
+        assert loaded.pages == 4
+        cache.release(loaded)
+        assert cache.stats()["tiers"]["device"]["free"] == 32
+        cache.check_integrity()
+
+
+def test_host_tier_off_keeps_a_device_only_cache() -> None:
+    with make_cache(host_pages=0) as cache:
+        tokens = prompt(3, seed=17)
+        serve(cache, tokens)
+        assert cache.match(tokens).tokens_by_tier["device"] == 3 * P
+        assert "host" not in {t for t, v in cache.stats()["tiers"].items() if v["pages"]}
+        cache.check_integrity()
+
+
+def test_shared_store_serves_a_second_cache_instance() -> None:
+    from cache_support import LAYOUT
+
+    name = "shared-test-store"
+    first = MemoryStore(LAYOUT.page_bytes, name=name)
+    tokens = prompt(5, seed=18)
+    with make_cache(stores={"disk": first}) as cache:
+        serve(cache, tokens)
+        cache.drain()
+    second = CountingStore(MemoryStore(LAYOUT.page_bytes, name=name))
+    with make_cache(stores={"disk": second}) as other:
+        hit = other.match(tokens)
+        assert hit.tokens_by_tier["disk"] == 5 * P  # found by probing, not by the index
+        _, loaded = serve(other, tokens)
+        assert loaded.tokens == 5 * P
+        other.drain()
+        assert second.counts()["write"].pages == 0  # backup saw the pages were there already
+    first.clear()
