@@ -68,43 +68,57 @@ def kvtier_pass(store: Any, op: str, keys: list[bytes], views: list[Any], batch:
     return time.perf_counter() - start
 
 
-def one_size(url: str, page_bytes: int, working_set: int, batch: int, rounds: int) -> dict[str, Any]:
+def page_buffers(pages: int, page_bytes: int, batch: int, hot: bool) -> tuple[list[Any], list[Any]]:
+    """(sources of the writes, destinations of the reads). ``hot``: 16 distinct sources and one
+    batch of destinations, reused (cache-resident, as redis-benchmark's own value buffer is);
+    otherwise every page has its own source and destination (a host pool larger than the
+    caches). Both allocated and touched up front."""
+    rng = np.random.default_rng(0)
+    distinct = 16 if hot else pages
+    sources = rng.integers(0, 256, (distinct, page_bytes), dtype=np.uint8)
+    landing = np.ones((batch if hot else pages, page_bytes), dtype=np.uint8)
+    return ([sources[i % distinct] for i in range(pages)],
+            [landing[i % len(landing)] for i in range(pages)])
+
+
+def check_round_trip(store: Any, keys: list[bytes], sources: list[Any], batch: int) -> None:
+    probe = [np.zeros_like(sources[0]) for _ in range(min(batch, len(keys)))]
+    if not all(store.read_into(keys[:len(probe)], probe)) or not all(
+            np.array_equal(a, b) for a, b in zip(probe, sources, strict=False)):
+        raise RuntimeError("kvtier read back different bytes")
+
+
+def one_size(url: str, page_bytes: int, working_set: int, batch: int, rounds: int,
+             hot: bool) -> dict[str, Any]:
     import hashlib
 
     pages = max(batch, working_set // page_bytes)
-    pool = np.random.default_rng(0).integers(0, 256, (pages, page_bytes), dtype=np.uint8)
-    views = [pool[i] for i in range(pages)]
+    sources, reads = page_buffers(pages, page_bytes, batch, hot)
     keys = [hashlib.sha256(b"bench-%d" % i).digest() for i in range(pages)]
-    landing = np.ones_like(pool)  # reads land here: allocated and touched once, like a host pool
-    reads = [landing[i] for i in range(pages)]
     fill_keyspace(url, page_bytes, pages, batch)
-    gbps: dict[str, list[float]] = {name: [] for name in
-                                    ("kvtier_write", "raw_write", "kvtier_read", "raw_read",
-                                     "redis_py_write", "redis_py_read")}
+    names = ("kvtier_write", "raw_write", "kvtier_read", "raw_read", "redis_py_write",
+             "redis_py_read")
+    gbps: dict[str, list[float]] = {name: [] for name in names}
     total = pages * page_bytes
+    raw = {"requests": pages, "pipeline": batch, "keyspace": pages}
     with open_store(url, page_bytes=page_bytes, prefix="bench:", timeout_s=30) as store:
         for _ in range(rounds):
-            gbps["kvtier_write"].append(total / kvtier_pass(store, "write", keys, views, batch) / 1e9)
-            gbps["raw_write"].append(run_redis_benchmark(url, "write", page_bytes, requests=pages,
-                                                         pipeline=batch, keyspace=pages).gbps)
-            landing.fill(0)
+            gbps["kvtier_write"].append(total / kvtier_pass(store, "write", keys, sources, batch) / 1e9)
+            gbps["raw_write"].append(run_redis_benchmark(url, "write", page_bytes, **raw).gbps)
             gbps["kvtier_read"].append(total / kvtier_pass(store, "read", keys, reads, batch) / 1e9)
-            if not all(np.array_equal(a, b) for a, b in zip(reads[::97], views[::97], strict=True)):
-                raise RuntimeError("kvtier read back different bytes")
-            gbps["raw_read"].append(run_redis_benchmark(url, "read", page_bytes, requests=pages,
-                                                        pipeline=batch, keyspace=pages).gbps)
+            gbps["raw_read"].append(run_redis_benchmark(url, "read", page_bytes, **raw).gbps)
             for op in ("write", "read"):
                 rate = redis_py_pipeline(url, op, page_bytes, pages=pages, batch=batch)
                 gbps[f"redis_py_{op}"].append(rate.gbps)
-    medians = {name: statistics.median(values) for name, values in gbps.items()}
+        check_round_trip(store, keys, sources, batch)
+    med = {name: statistics.median(values) for name, values in gbps.items()}
     return {"page_bytes": page_bytes, "pages": pages, "batch": batch, "threads": 1,
-            "rounds": rounds, "gbps_per_round": gbps,
-            "read_gbps": medians["kvtier_read"], "raw_read_gbps": medians["raw_read"],
-            "write_gbps": medians["kvtier_write"], "raw_write_gbps": medians["raw_write"],
-            "redis_py_read_gbps": medians["redis_py_read"],
-            "redis_py_write_gbps": medians["redis_py_write"],
-            "read_ratio": medians["kvtier_read"] / medians["raw_read"],
-            "write_ratio": medians["kvtier_write"] / medians["raw_write"]}
+            "buffers": "hot" if hot else "pool", "rounds": rounds, "gbps_per_round": gbps,
+            "read_gbps": med["kvtier_read"], "raw_read_gbps": med["raw_read"],
+            "write_gbps": med["kvtier_write"], "raw_write_gbps": med["raw_write"],
+            "redis_py_read_gbps": med["redis_py_read"], "redis_py_write_gbps": med["redis_py_write"],
+            "read_ratio": med["kvtier_read"] / med["raw_read"],
+            "write_ratio": med["kvtier_write"] / med["raw_write"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,20 +128,25 @@ def main(argv: list[str] | None = None) -> int:
                         help="value size:pages per batch (= redis-benchmark -P), comma-separated")
     parser.add_argument("--working-set", default="128MiB", help="bytes of distinct pages per size")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per size")
+    parser.add_argument("--buffers", choices=("hot", "pool", "both"), default="both",
+                        help="hot: reused cache-resident page buffers (like redis-benchmark's); "
+                        "pool: a distinct buffer per page")
     parser.add_argument("--out", help="write OUT.json and OUT.txt")
     args = parser.parse_args(argv)
     working_set = parse_size(args.working_set) or 128 << 20
     with contextlib.ExitStack() as stack:
         url = args.url or stack.enter_context(own_server())
         runs = []
+        modes = {"hot": [True], "pool": [False], "both": [True, False]}[args.buffers]
         for spec in args.sizes.split(","):
             size, _, batch = spec.partition(":")
-            runs.append(one_size(url, parse_size(size) or 0, working_set, int(batch or 32),
-                                 args.rounds))
-    rows = [[r["page_bytes"], r["batch"], r["write_gbps"], r["raw_write_gbps"], r["write_ratio"],
-             r["read_gbps"], r["raw_read_gbps"], r["read_ratio"], r["redis_py_write_gbps"],
+            for hot in modes:
+                runs.append(one_size(url, parse_size(size) or 0, working_set, int(batch or 32),
+                                     args.rounds, hot))
+    rows = [[r["page_bytes"], r["batch"], r["buffers"], r["write_gbps"], r["raw_write_gbps"],
+             r["write_ratio"], r["read_gbps"], r["raw_read_gbps"], r["read_ratio"], r["redis_py_write_gbps"],
              r["redis_py_read_gbps"]] for r in runs]
-    table = format_table(["value_bytes", "batch", "kvtier_SET_GB/s", "rb_SET_GB/s", "SET_ratio",
+    table = format_table(["value_bytes", "batch", "buffers", "kvtier_SET_GB/s", "rb_SET_GB/s", "SET_ratio",
                           "kvtier_GET_GB/s", "rb_GET_GB/s", "GET_ratio", "redis-py_SET_GB/s",
                           "redis-py_GET_GB/s"], rows)
     note = (f"medians of {args.rounds} interleaved rounds, 1 connection each side; rb = "

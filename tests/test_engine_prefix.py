@@ -46,8 +46,8 @@ def test_tenant_salt_keeps_prefixes_apart(cache):
 
 
 def test_generated_tokens_are_cached_for_the_next_turn(cache):
-    prompt = _prompt(40, 3)
-    first = through(cache, prompt)  # 40 + 5 fed tokens: two full pages
+    prompt = _prompt(44, 3)
+    first = through(cache, prompt)  # 44 + 5 fed tokens: three full pages, the prompt had two
     follow_up = prompt + first.tokens + _prompt(20, 4)
     report = through(cache, follow_up).report
     assert report.cached_tokens == 32 + 16  # the prompt's pages and the page generation filled

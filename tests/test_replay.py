@@ -156,3 +156,36 @@ def test_lru_replay_reproduces_the_published_shares_of_the_real_trace():
     for tokens, published in ((1_000_000, 0.054), (3_000_000, 0.138), (10_000_000, 0.291)):
         share = replay(trace, ReplayConfig(tokens)).served_share
         assert share == pytest.approx(published, abs=0.005), tokens
+
+
+def test_lru_knowing_dead_pages_evicts_a_dead_leaf_before_an_older_live_one():
+    from kvtier.replay.oracle import DeadFirstLRU
+
+    # [1,2] returns at the end, [3,4] never does: plain LRU drops [1,2] (older), the oracle [3,4]
+    trace = trace_of(req(0, 1, 2), req(1, 3, 4), req(2, 5, 6), req(3, 1, 2))
+    knows = DeadFirstLRU(trace)
+    result = replay(trace, ReplayConfig(4 * B, block_tokens=B), policy_factory=lambda: knows,
+                    progress=knows.advance)
+    plain = replay(trace, ReplayConfig(4 * B, block_tokens=B))
+    assert result.served_tokens["device"] == 2 * B
+    assert plain.served_tokens["device"] == 0
+
+
+def test_synthetic_workloads_are_deterministic_prefix_chains():
+    for name in synthetic.GENERATORS:
+        shape = synthetic.Shape(requests=120, duration_s=200, seed=3)
+        first, again = synthetic.make(name, shape), synthetic.make(name, shape)
+        assert first.requests == again.requests and len(first) == 120
+        parent: dict[int, int] = {}
+        for request in first:
+            assert len(request.blocks) == -(-request.input_tokens // shape.block_tokens)
+            for i, block in enumerate(request.blocks):
+                assert parent.setdefault(block, request.blocks[i - 1] if i else -1) == (
+                    request.blocks[i - 1] if i else -1)
+
+
+def test_synthetic_chat_turns_extend_the_previous_prompt():
+    trace = synthetic.chat(synthetic.Shape(requests=300, duration_s=600, seed=1))
+    assert trace.infinite_share() > 0.2
+    with pytest.raises(ConfigError):
+        synthetic.make("nope")

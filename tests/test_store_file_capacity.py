@@ -15,10 +15,11 @@ import pytest
 
 from kvtier.store import open_store
 from kvtier.store.file import FileStore
+from kvtier.store.segment import RecordLayout
 from store_contract import key_for, page_bytes_for
 
 PAGE = 4096
-RECORD = 4608  # 4 KiB page + header, 512-byte aligned
+RECORD = RecordLayout.plan(PAGE, 1 << 20, None).record_bytes  # disk bytes per page
 SEGMENT = 4 * RECORD
 
 
@@ -41,21 +42,21 @@ def _read(store: FileStore, i: int) -> bytes | None:
 
 
 def test_cap_evicts_oldest_segments_first_and_holds(tmp_path: Path) -> None:
-    store = _open(tmp_path, f"?max_bytes={8 * SEGMENT}&segment_bytes={SEGMENT}")
+    store = _open(tmp_path, f"?max_bytes={16 * SEGMENT}&segment_bytes={SEGMENT}")
     for i in range(100):
         assert _write(store, range(i, i + 1)) == [True]
-    assert store.disk_usage()["segment_bytes"] <= 8 * SEGMENT
+    assert store.disk_usage()["segment_bytes"] <= 16 * SEGMENT
     present = store.contains([key_for(i) for i in range(100)])
-    assert not any(present[:60]) and all(present[-28:])
+    assert not any(present[:30]) and all(present[-48:])
     assert store.stats().evicted == 100 - store.stats().pages
     store.close()
 
 
 def test_page_read_since_written_is_reinserted_and_survives(tmp_path: Path) -> None:
-    store = _open(tmp_path, f"?max_bytes={8 * SEGMENT}&segment_bytes={SEGMENT}")
+    store = _open(tmp_path, f"?max_bytes={16 * SEGMENT}&segment_bytes={SEGMENT}")
     _write(store, range(4))  # the first segment
     assert _read(store, 1) is not None  # page 1 is now hot
-    _write(store, range(4, 36))  # forces the first segment out
+    _write(store, range(4, 72))  # forces the first segment out
     assert store.contains([key_for(i) for i in range(4)]) == [False, True, False, False]
     assert _read(store, 1) == page_bytes_for(1, PAGE)
     store.close()
@@ -80,7 +81,7 @@ def test_free_space_watermark_refuses_what_cannot_fit(tmp_path: Path) -> None:
 
 
 def test_page_being_read_is_not_evicted_under_its_reader(tmp_path: Path, monkeypatch) -> None:
-    store = _open(tmp_path, f"?max_bytes={8 * SEGMENT}&segment_bytes={SEGMENT}")
+    store = _open(tmp_path, f"?max_bytes={16 * SEGMENT}&segment_bytes={SEGMENT}")
     _write(store, range(4))
     real_preadv = os.preadv
     in_read, go_on = threading.Event(), threading.Event()
@@ -96,7 +97,7 @@ def test_page_being_read_is_not_evicted_under_its_reader(tmp_path: Path, monkeyp
     reader = threading.Thread(target=lambda: got.append(_read(store, 0)), name="reader")
     reader.start()
     assert in_read.wait(10)
-    _write(store, range(4, 40))  # evicts the segment the reader holds
+    _write(store, range(4, 72))  # evicts the segment the reader holds
     assert store.contains([key_for(0)]) == [False]
     assert not list(tmp_path.glob("segments/0000000000.seg"))  # its file is gone
     go_on.set()

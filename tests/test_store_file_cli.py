@@ -45,7 +45,7 @@ def test_verify_passes_then_fails_with_counts_after_a_flipped_byte(filled: str, 
     store = open_store(filled, page_bytes=PAGE)
     assert isinstance(store, FileStore)
     seg, slot = split(store.index.where[key_for(5)])
-    path, offset = segment_path(store.segments_dir, seg), store.layout.offset(slot) + 100
+    path, offset = segment_path(store.segments_dir, seg), store.layout.payload_at(slot) + 100
     store.close()
     data = bytearray(path.read_bytes())
     data[offset] ^= 1

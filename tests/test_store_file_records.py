@@ -39,11 +39,12 @@ def _read(store: FileStore, i: int) -> bytes | None:
     return out.tobytes() if store.read_into([key_for(i)], [out]) == [True] else None
 
 
-def _flip(store: FileStore, i: int, offset_in_record: int) -> None:
-    """Flip one byte of page ``i``'s record on disk."""
+def _flip(store: FileStore, i: int, offset: int, in_header: bool = False) -> None:
+    """Flip one byte of page ``i``'s payload (or of its header) on disk."""
     seg, slot = split(store.index.where[key_for(i)])
+    layout = store.layout
     with open(segment_path(store.segments_dir, seg), "r+b") as f:
-        f.seek(store.layout.offset(slot) + offset_in_record)
+        f.seek((layout.header_at(slot) if in_header else layout.payload_at(slot)) + offset)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0x40]))
@@ -56,10 +57,9 @@ def _flip(store: FileStore, i: int, offset_in_record: int) -> None:
 def test_flipped_byte_reads_as_a_counted_corrupt_miss(tmp_path: Path, where: str) -> None:
     store = _open(tmp_path)
     _fill(store, range(4))
-    offsets = {"payload_start": store.layout.payload_offset,
-               "payload_end": store.layout.payload_offset + PAGE - 1,
-               "header_key": 40, "header_crc": 61}
-    _flip(store, 2, offsets[where])
+    offsets = {"payload_start": (0, False), "payload_end": (PAGE - 1, False),
+               "header_key": (40, True), "header_crc": (61, True)}
+    _flip(store, 2, *offsets[where])
     assert [_read(store, i) is not None for i in range(4)] == [True, True, False, True]
     stats = store.stats()
     assert (stats.corrupt, stats.misses, stats.hits) == (1, 1, 3)
@@ -77,8 +77,8 @@ def test_record_of_another_key_reads_as_a_miss(tmp_path: Path) -> None:
 def test_header_only_verification_skips_the_payload_but_not_the_header(tmp_path: Path) -> None:
     store = _open(tmp_path, query="?verify=header")
     _fill(store, range(2))
-    _flip(store, 0, store.layout.payload_offset + 7)
-    _flip(store, 1, 40)
+    _flip(store, 0, 7)
+    _flip(store, 1, 40, in_header=True)
     assert _read(store, 0) is not None and _read(store, 1) is None
     store.close()
 
@@ -91,12 +91,12 @@ def test_partial_read_checks_only_the_chunks_it_reads(tmp_path: Path) -> None:
     _fill(store, range(1))
     page = page_bytes_for(0, BIG)
     ranges = [ByteRange(65536 + 10, 100), ByteRange(2 * 65536, 5)]
-    _flip(store, 0, store.layout.payload_offset + 3 * 65536 + 1)  # in chunk 3, not read
+    _flip(store, 0, 3 * 65536 + 1)  # in chunk 3, not read
     out = np.zeros(105, np.uint8)
     assert store.read_ranges_into([key_for(0)], ranges, [out]) == [True]
     assert out.tobytes() == page[65546:65646] + page[131072:131077]
     assert _read(store, 0) is None  # the whole-page read sees the damage
-    _flip(store, 0, store.layout.payload_offset + 65536 + 50)  # in chunk 1, read
+    _flip(store, 0, 65536 + 50)  # in chunk 1, read
     assert store.read_ranges_into([key_for(0)], ranges, [out]) == [False]
     store.close()
 
@@ -152,7 +152,8 @@ def test_record_written_but_never_journaled_stays_invisible(tmp_path: Path) -> N
     store = _open(tmp_path)
     _fill(store, range(2))
     slots = store.writer.reserve(1)  # what a writer killed before publishing leaves behind
-    store.io.write(slots[0].fd, slots[0].slot, key_for(7), memoryview(page_bytes_for(7, PAGE)))
+    store.io.write(slots[0].fd, None, slots[0].slot, key_for(7),
+                   memoryview(page_bytes_for(7, PAGE)))
     store.close()
     reopened = _open(tmp_path)
     assert reopened.contains([key_for(7), key_for(1)]) == [False, True]

@@ -88,6 +88,29 @@ def test_simple_replies_cover_status_integer_error_bulk_and_array() -> None:
     assert got[3] == b"info" and got[4] == [b"0", [b"k"]]
 
 
+def test_status_replies_are_matched_at_once_and_parsed_when_one_differs() -> None:
+    left, right = socket.socketpair()
+    with left, right:
+        left.sendall(b"+OK\r\n" * 3 + b"+OK\r\n-OOM command not allowed\r\n+OK\r\n")
+        reader = ReplyReader(Channel(right, Deadline(5)))
+        assert reader.replies_like(3, b"+OK\r\n") == ["OK"] * 3
+        mixed = reader.replies_like(3, b"+OK\r\n")
+        reader.finish()
+    assert mixed[0] == mixed[2] == "OK"
+    assert isinstance(mixed[1], ServerError) and mixed[1].kind == "OOM"
+
+
+def test_zero_one_replies_are_matched_at_once_and_parsed_when_one_differs() -> None:
+    left, right = socket.socketpair()
+    with left, right:
+        left.sendall(b":1\r\n:0\r\n:1\r\n" + b":1\r\n-MOVED 3 127.0.0.1:7001\r\n:0\r\n")
+        reader = ReplyReader(Channel(right, Deadline(5)))
+        assert reader.small_ints(3) == [1, 0, 1]
+        mixed = reader.small_ints(3)
+        reader.finish()
+    assert mixed[0] == 1 and mixed[2] == 0 and isinstance(mixed[1], ServerError)
+
+
 def test_a_silent_peer_ends_the_read_at_the_deadline() -> None:
     left, right = socket.socketpair()
     with left, right:

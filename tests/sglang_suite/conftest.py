@@ -23,16 +23,10 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return True if not HAVE_SGLANG else None
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    # SGLang's import chain (torch.jit users) warns on every import; not ours to fix.
-    config.addinivalue_line("filterwarnings", "ignore::DeprecationWarning")
-
-
 if HAVE_SGLANG:
-    warnings.filterwarnings("ignore", category=UserWarning)
-    from sglang_helpers import make_config, make_pool  # noqa: E402
-else:  # pragma: no cover - never collected without SGLang
-    make_config = make_pool = None  # type: ignore[assignment]
+    with warnings.catch_warnings():  # SGLang's import chain warns about torch.jit and CUDA
+        warnings.simplefilter("ignore")
+        from sglang_helpers import make_config
 
 
 @pytest.fixture

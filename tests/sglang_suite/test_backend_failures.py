@@ -35,6 +35,7 @@ def test_missing_pages_end_the_loaded_prefix(backends, disk_url):
     fill_random(pool, seed=6)
     keys = names(4)
     assert all(backend.batch_set_v1([keys[0], keys[1], keys[3]], page_slots(pool, [0, 1, 3])))
+    assert backend.batch_exists(keys) == 2
     got = backend.batch_get_v1(keys, page_slots(pool, [10, 11, 12, 13]))
     assert got == [True, True, False, True]
 

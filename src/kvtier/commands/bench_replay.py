@@ -62,7 +62,9 @@ def load_trace(args: argparse.Namespace) -> Any:
     from kvtier.replay.trace import read_trace
 
     if args.synthetic:
-        return synthetic.make(args.synthetic, synthetic.Shape(block_tokens=args.block_tokens))
+        shape = synthetic.Shape(requests=args.limit or synthetic.Shape.requests,
+                                block_tokens=args.block_tokens)
+        return synthetic.make(args.synthetic, shape)
     return read_trace(args.trace or DEFAULT_TRACE, args.block_tokens, args.limit)
 
 

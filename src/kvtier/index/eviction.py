@@ -4,7 +4,9 @@ Owns the small contract between the radix index and the policies that decide wha
 the index tells a tier's ``EvictionPolicy`` which nodes are evictable leaves *of that tier*
 (``add``/``remove``), which nodes were used (``touch``), and which left the index for good
 (``forget``); when the tier needs room it asks ``pop_victim``. Policies hold node references
-only as opaque hashable objects, plus whatever history they keep (bounded). An
+only as opaque hashable objects, plus whatever history they keep (bounded); the one thing a
+policy may read from a node is an integer ``hits`` attribute when the node has one (the radix
+index's count of requests that used it), with ``getattr(node, "hits", None)``. An
 ``AdmissionPolicy`` decides whether a page is worth copying down to a lower tier at all.
 Everything here runs on the engine thread; no locking, no torch. Policies beyond LRU live in
 ``kvtier.index.policies`` and are looked up by name with ``make_eviction_policy``.

@@ -97,7 +97,7 @@ def _page_view(kind: str, layout: str, kv: torch.Tensor, start: int, ps: int) ->
     if layout == "layer_first":                           # [2, L, size, H, D]
         return kv[:, :, start:start + ps].permute(1, 0, 2, 3, 4)
     if layout == "page_first":                            # [2, size, L, H, D]
-        return kv[:, start:start + ps].permute(1, 0, 2, 3, 4).transpose(0, 1).permute(1, 0, 2, 3, 4).transpose(0,1)
+        return kv[:, start:start + ps].permute(2, 0, 1, 3, 4)
     if layout == "page_first_direct":                     # [2, pages, L, ps, H, D]
         return kv[:, start // ps].permute(1, 0, 2, 3, 4)
     return kv[:, start // ps].permute(3, 0, 2, 1, 4)      # page_head: [2, pages, H, ps, L, D]

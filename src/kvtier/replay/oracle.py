@@ -28,12 +28,12 @@ class DeadFirstLRU(LRUPolicy):
         for i, request in enumerate(trace.requests):
             for block in request.blocks:
                 self._last_use[block] = i
-        self.now = -1  # index of the request being served
+        self.now = 0  # index of the request being served
         self._by_last: list[tuple[int, int, Node]] = []
         self._seq = itertools.count()
 
     def advance(self, requests: int = 1) -> None:
-        """The replay moved on by ``requests`` requests (use as its progress callback)."""
+        """The replay finished ``requests`` requests (use as its progress callback)."""
         self.now += requests
 
     def _last(self, node: Node) -> int:

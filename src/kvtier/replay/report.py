@@ -18,8 +18,10 @@ def _pct(x: float) -> str:
 
 
 def _curve_table(rows: list[dict[str, Any]], policies: list[str]) -> str:
-    headers = ["tokens", "pages", *(f"{p} %" for p in policies), "bound %"]
-    body = [[f"{r['tokens'] / 1e6:.3g}M", r["pages"], *(_pct(r[p]) for p in policies),
+    extra = ["dead_first"] if rows and "dead_first" in rows[0] else []
+    headers = ["tokens", "pages", *(f"{p} %" for p in policies),
+               *("LRU knowing dead pages %" for _ in extra), "offline bound %"]
+    body = [[f"{r['tokens'] / 1e6:.3g}M", r["pages"], *(_pct(r[p]) for p in [*policies, *extra]),
              _pct(r["bound"])] for r in rows]
     return format_table(headers, body)
 
@@ -31,10 +33,11 @@ def _tiers_table(tiers: list[dict[str, Any]]) -> str:
         rows.append([r["label"], cfg["policy"], cfg["write_policy"],
                      *(_pct(r["share_by_tier"][t]) for t in ("device", "host", "disk")),
                      _pct(r["served_share"]), r["written_pages"]["host"],
-                     r["written_pages"]["disk"], r["written_pages"]["disk"] * cfg["block_tokens"]])
+                     r["written_pages"]["disk"], r["written_pages"]["disk"] * cfg["block_tokens"],
+                     *(f"{r['disk_write_bytes_per_s'][m] / 1e9:.2f}" for m in ("8b", "70b"))])
     return format_table(["tiers", "policy", "write policy", "device %", "host %", "disk %",
                          "all %", "host writes (pages)", "disk writes (pages)",
-                         "disk writes (tokens)"], rows)
+                         "disk writes (tokens)", "8B disk GB/s", "70B disk GB/s"], rows)
 
 
 def _overhead_table(overhead: dict[str, Any]) -> str:

@@ -30,7 +30,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvtier.errors import ConfigError
-from kvtier.index.eviction import AdmissionPolicy, AdmitAll, AdmitOnSecondHit, make_eviction_policy
+from kvtier.index.eviction import (
+    AdmissionPolicy,
+    AdmitAll,
+    AdmitOnSecondHit,
+    EvictionPolicy,
+    make_eviction_policy,
+)
 from kvtier.index.radix import RadixIndex
 from kvtier.index.residency import Node
 from kvtier.replay.timing import TimedPolicy, proxy_cost_ns
@@ -107,12 +113,14 @@ class ReplayResult:
 class _Replayer:
     """One replay's index and counters (kept out of ``replay`` to keep functions short)."""
 
-    def __init__(self, config: ReplayConfig, timed: bool) -> None:
+    def __init__(self, config: ReplayConfig, timed: bool,
+                 policy_factory: Callable[[], EvictionPolicy] | None) -> None:
         self.config = config
         self.tiers = config.tiers()
         self.result = ReplayResult(config)
         self.admission = WRITE_POLICIES[config.write_policy]()
-        self.policies = {t: make_eviction_policy(config.policy) for t in self.tiers}
+        make = policy_factory or (lambda: make_eviction_policy(config.policy))
+        self.policies: dict[str, EvictionPolicy] = {t: make() for t in self.tiers}
         if timed:
             self.policies = {t: TimedPolicy(p) for t, p in self.policies.items()}
         self.index = RadixIndex(1, capacities={t: config.pages(t) for t in self.tiers},
@@ -204,12 +212,14 @@ class _Replayer:
 
 
 def replay(trace: Trace, config: ReplayConfig, *, timed: bool = False,
-           progress: Callable[[int], None] | None = None) -> ReplayResult:
-    """Replay ``trace`` through a fresh index built from ``config``."""
+           progress: Callable[[int], None] | None = None,
+           policy_factory: Callable[[], EvictionPolicy] | None = None) -> ReplayResult:
+    """Replay ``trace`` through a fresh index built from ``config`` (``policy_factory``, if
+    given, makes each tier's policy instead of ``config.policy``)."""
     if trace.block_tokens != config.block_tokens:
         raise ConfigError("block_tokens", config.block_tokens,
                           f"the trace's block size ({trace.block_tokens})")
-    runner = _Replayer(config, timed)
+    runner = _Replayer(config, timed, policy_factory)
     start = time.perf_counter()
     for request in trace:
         runner.serve(request)

@@ -12,12 +12,14 @@ prefill GPU time each configuration saves for 8B and 70B shapes. Writes
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from kvtier.machine import write_report
 from kvtier.replay import synthetic
 from kvtier.replay.bound import next_uses, offline_bound
+from kvtier.replay.oracle import DeadFirstLRU
 from kvtier.replay.savings import MODEL_SHAPES, price
 from kvtier.replay.simulator import ReplayConfig, ReplayResult, replay
 from kvtier.replay.trace import Trace
@@ -29,24 +31,29 @@ HALF_TOKENS: tuple[int, ...] = (1_000_000, 3_000_000, 10_000_000)
 #: LRU shares the trace's README publishes (single tier), to validate the replay against.
 PUBLISHED_LRU: dict[int, float] = {1_000_000: 0.054, 3_000_000: 0.138, 10_000_000: 0.291}
 SYNTHETIC_FRACTIONS: tuple[float, ...] = (0.02, 0.05, 0.1, 0.2)
-TIER_CONFIGS: tuple[tuple[int, int, int], ...] = ((500_000, 1_000_000, 10_000_000),)
+TIER_CONFIGS: tuple[tuple[int, int, int], ...] = ((500_000, 1_000_000, 10_000_000),
+                                                   (1_000_000, 3_000_000, 20_000_000))
 
 Progress = Callable[[Trace, str], Any]
 
 
 def capacity_curve(trace: Trace, capacities: Sequence[int], bar: Progress,
-                   policies: Sequence[str] = POLICIES) -> list[dict[str, Any]]:
-    """Served share per single-tier capacity for each policy, and the offline bound."""
+                   policies: Sequence[str] = POLICIES, oracle: bool = False) -> list[dict[str, Any]]:
+    """Served share per single-tier capacity for each policy and the offline bound (and, with
+    ``oracle``, for LRU that knows which pages never return: ``dead_first``)."""
     uses = next_uses(trace)
     rows = []
     for tokens in capacities:
-        row: dict[str, Any] = {"tokens": tokens, "pages": tokens // trace.block_tokens}
+        config = ReplayConfig(tokens, block_tokens=trace.block_tokens)
+        row: dict[str, Any] = {"tokens": tokens, "pages": config.pages("device")}
         for policy in policies:
             with bar(trace, f"{policy} {tokens / 1e6:g}M") as b:
-                result = replay(trace, ReplayConfig(tokens, policy=policy,
-                                                    block_tokens=trace.block_tokens),
-                                progress=b.update)
-            row[policy] = result.served_share
+                row[policy] = replay(trace, replace(config, policy=policy),
+                                     progress=b.update).served_share
+        if oracle:
+            knows = DeadFirstLRU(trace)
+            row["dead_first"] = replay(trace, config, policy_factory=lambda k=knows: k,
+                                       progress=knows.advance).served_share
         row["bound"] = offline_bound(trace, row["pages"], uses).share
         rows.append(row)
     return rows
@@ -74,6 +81,14 @@ def tier_runs(trace: Trace, bar: Progress) -> list[ReplayResult]:
                 with bar(trace, config.label()) as b:
                     results.append(replay(trace, config, progress=b.update))
     return results
+
+
+def write_rates(result: ReplayResult, trace: Trace) -> dict[str, float]:
+    """Mean disk write rate over the trace's duration, bytes per second, per model shape."""
+    tokens = result.written_pages["disk"] * trace.block_tokens
+    seconds = max(trace.duration_s(), 1e-9)
+    return {key: tokens * shape.kv_bytes_per_token / seconds
+            for key, shape in MODEL_SHAPES.items()}
 
 
 def single_tier_runs(trace: Trace, bar: Progress, tokens: Sequence[int]) -> list[ReplayResult]:
@@ -124,7 +139,7 @@ def run_study(trace: Trace, out_dir: str | Path, progress: bool = True,
         return progress_bar(len(t), label, progress)
 
     data: dict[str, Any] = {"trace": trace.summary(), "policies": list(POLICIES)}
-    data["curve"] = capacity_curve(trace, CURVE_TOKENS, bar)
+    data["curve"] = capacity_curve(trace, CURVE_TOKENS, bar, oracle=True)
     data["validation"] = [{"tokens": t, "published_lru": share,
                            "replayed_lru": next(r["lru"] for r in data["curve"] if r["tokens"] == t)}
                           for t, share in PUBLISHED_LRU.items()]
@@ -132,7 +147,8 @@ def run_study(trace: Trace, out_dir: str | Path, progress: bool = True,
                         for i in range(2)}
     data["synthetic"] = synthetic_curves(bar, shape or synthetic.Shape())
     tiers = tier_runs(trace, bar)
-    data["tiers"] = [r.to_dict() for r in tiers]
+    data["tiers"] = [r.to_dict() | {"disk_write_bytes_per_s": write_rates(r, trace)}
+                     for r in tiers]
     data["overhead"] = overhead(trace, bar)
     data["savings"] = savings(single_tier_runs(trace, bar, (1_000_000, 3_000_000)) + tiers)
     out = Path(out_dir)

@@ -24,6 +24,7 @@ durable across power loss (without it, across process crashes).
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import threading
@@ -116,7 +117,7 @@ class FileStore(PageStore):
         with self._lock:
             for seg in set(self.index.seg_slots) - set(on_disk):
                 self.index.drop_segment(seg)  # unlinked by an eviction that did not journal
-            self.index.note_segment_files(on_disk, self.layout.record_bytes)
+            self.index.note_segment_files(on_disk, self.layout.segment_slots_in)
         return time.perf_counter() - start
 
     # ---- index upkeep --------------------------------------------------------------------
@@ -222,7 +223,7 @@ class FileStore(PageStore):
         try:
             for i, (key, view, slot) in enumerate(zip(keys, views, slots, strict=True)):
                 try:
-                    self.io.write(slot.fd, slot.slot, key, view)
+                    self.io.write(slot.fd, slot.direct_fd, slot.slot, key, view)
                     done.append(i)
                 except OSError as exc:
                     errors += 1
@@ -240,7 +241,7 @@ class FileStore(PageStore):
         try:
             if self.options.fsync:
                 for fd in {slots[i].fd for i in done}:
-                    os.fdatasync(fd)
+                    os.fdatasync(fd)  # the file's data, O_DIRECT payloads included
             self.publish([Entry(OP_PUT, slots[i].seg, slots[i].slot, keys[i]) for i in done])
             if self.options.fsync:
                 os.fdatasync(self.journal.fd)
@@ -275,6 +276,37 @@ class FileStore(PageStore):
         pages = len(self.index.where)
         return StoreStats(backend=self.scheme, pages=pages, bytes=pages * self.page_bytes,
                           capacity_bytes=self.options.max_bytes, **self.counters.snapshot())
+
+    def resize(self, max_bytes: int | None, wait_s: float = 5.0) -> dict[str, Any]:
+        """Set the cap on segment bytes now; a shrink evicts oldest segments (no reinsertion)
+        until the store fits, and returns when it does or ``wait_s`` ran out. Segments being
+        appended to are never victims (the current one is sealed, and goes once its writes
+        land); a read in progress keeps its descriptor and finishes on intact bytes."""
+        self._check_open()
+        self.options = dataclasses.replace(self.options, max_bytes=max_bytes)
+        before = self.disk_usage()["segment_bytes"]
+        deadline = time.monotonic() + wait_s
+        while max_bytes is not None and self.disk_usage()["segment_bytes"] > max_bytes:
+            self.evictor.gc(max_bytes)
+            if self.disk_usage()["segment_bytes"] <= max_bytes or time.monotonic() > deadline:
+                break
+            self.writer.seal_all()
+            time.sleep(0.005)
+        after = self.disk_usage()["segment_bytes"]
+        return {"segment_bytes_before": before, "segment_bytes_after": after,
+                "fits": max_bytes is None or after <= max_bytes}
+
+    def clear(self) -> int:
+        """Delete every page (journaled: every process sees it) and free the segments no writer
+        holds. Returns the pages deleted."""
+        self._check_open()
+        self.refresh()
+        with self._lock:
+            keys = list(self.index.where)
+        removed = self.delete(keys) if keys else 0
+        self.writer.seal_all()
+        self.evictor.gc(0)
+        return removed
 
     def disk_usage(self) -> dict[str, Any]:
         """Space on disk: segment bytes (live and dead records), filesystem free bytes."""

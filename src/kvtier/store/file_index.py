@@ -104,10 +104,11 @@ class PageIndex:
         rows["slot"] = locs & np.uint64(SLOT_MASK)
         return rows
 
-    def note_segment_files(self, sizes: dict[int, int], record_bytes: int) -> None:
-        """Count segment files found on disk (their slots hold space even when dead)."""
+    def note_segment_files(self, sizes: dict[int, int], slots_in: Callable[[int], int]) -> None:
+        """Count segment files found on disk (their slots hold space even when dead);
+        ``slots_in(file_bytes)`` says how many slots a file of that size has used."""
         for seg, size in sizes.items():
-            self._grow(seg, -(-size // record_bytes))
+            self._grow(seg, slots_in(size))
 
     def _grow(self, seg: int, slots: int) -> None:
         used = self.seg_slots.get(seg, 0)

@@ -1,11 +1,12 @@
 """Record IO of the ``file://`` store: one page in or out of a segment slot, verified.
 
-Owns ``RecordIO``: whole-record reads (one ``preadv`` of header + payload straight into the
-caller's buffer, then verification), record writes (one ``pwritev`` of header + payload from
-the caller's buffer), partial reads of byte ranges (only the 64 KiB chunks that hold them, each
-checked against the record's chunk table), and the O_DIRECT variants that go through a
-page-aligned bounce buffer per thread. Stateless apart from those buffers; called concurrently
-from IO worker threads (``os.preadv``/``pwritev`` release the GIL).
+Owns ``RecordIO``: whole-page reads (the payload straight into the caller's buffer with one
+``preadv``, the slot's header with another, then verification), record writes (payload, then
+header; the journal entry that publishes them comes after both), partial reads of byte ranges
+(only the chunks that hold them, each checked against the slot's chunk table), and the O_DIRECT
+variants, which go through page-aligned bounce buffers (one set per thread). Stateless apart
+from those buffers; called concurrently from IO worker threads (``os.preadv``/``pwritev``
+release the GIL).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kvtier.store.segment import RecordLayout
 
 #: Above this share of a page, a partial read reads the whole page instead.
 PARTIAL_READ_LIMIT = 0.75
+_BLOCK = 4096
 
 
 class RecordIO:
@@ -35,36 +37,53 @@ class RecordIO:
         self.verify_payload = verify_payload
         self._local = threading.local()
 
-    def _bounce(self) -> memoryview:
-        """This thread's page-aligned buffer of one record (for O_DIRECT and partial reads)."""
-        buf = getattr(self._local, "buf", None)
-        if buf is None:
-            buf = self._local.buf = memoryview(mmap.mmap(-1, self.layout.record_bytes))
-        return buf
+    def _buffers(self) -> tuple[memoryview, memoryview]:
+        """This thread's page-aligned (payload, header block) buffers."""
+        bufs = getattr(self._local, "bufs", None)
+        if bufs is None:
+            bufs = self._local.bufs = (memoryview(mmap.mmap(-1, self.layout.payload_stride)),
+                                       memoryview(mmap.mmap(-1, _BLOCK)))
+        return bufs
+
+    def _header(self, fd: int, slot: int) -> memoryview | bytearray | None:
+        """Slot ``slot``'s header and chunk table, or None if the file ends before it."""
+        layout = self.layout
+        at = layout.header_at(slot)
+        if self.direct:  # O_DIRECT: read the aligned 4 KiB block that holds it
+            block = self._buffers()[1]
+            start = at - at % _BLOCK
+            if os.preadv(fd, [block], start) < at - start + layout.header_stride:
+                return None
+            return block[at - start:at - start + layout.header_stride]
+        header = bytearray(layout.header_stride)
+        return header if os.preadv(fd, [header], at) == layout.header_stride else None
 
     # ---- batches -------------------------------------------------------------------------
     def read_many(self, plans: Sequence[tuple[int, int] | None], keys: Sequence[bytes],
                   views: Sequence[memoryview]) -> tuple[list[bool], int, int]:
-        """Read whole records (plan: descriptor and slot; None: a miss) into ``views``;
-        (found, corrupt, IO errors). The hot path: one tight loop, one ``preadv`` per page."""
+        """Read whole pages (plan: descriptor and slot; None: a miss) into ``views``;
+        (found, corrupt, IO errors). The hot path: one tight loop, two ``preadv`` per page."""
         if self.direct:
             return self.each(plans, keys, views, self.read)
         layout = self.layout
-        prefix_bytes, record_bytes = layout.payload_offset, layout.record_bytes
-        want = prefix_bytes + layout.page_bytes
+        stride, table, page_bytes = layout.header_stride, layout.table_bytes, layout.page_bytes
+        payload_stride = layout.payload_stride
         verify, check_payload, preadv = layout.verify, self.verify_payload, os.preadv
         found = [False] * len(plans)
         corrupt = errors = 0
         for i, plan in enumerate(plans):
             if plan is None:
                 continue
-            prefix = bytearray(prefix_bytes)
+            fd, slot = plan
+            header = bytearray(stride)
+            view = views[i]
             try:
-                got = preadv(plan[0], [prefix, views[i]], plan[1] * record_bytes)
+                ok = preadv(fd, [view], table + slot * payload_stride) == page_bytes and \
+                    preadv(fd, [header], slot * stride) == stride
             except OSError:
                 errors += 1
                 continue
-            if got == want and verify(prefix, keys[i], views[i], check_payload) is Verdict.OK:
+            if ok and verify(header, keys[i], view, check_payload) is Verdict.OK:
                 found[i] = True
             else:
                 corrupt += 1
@@ -89,44 +108,49 @@ class RecordIO:
 
     # ---- whole records -------------------------------------------------------------------
     def read(self, fd: int, slot: int, key: bytes, view: memoryview) -> Verdict:
-        """Read the record in ``slot`` into ``view``; raises OSError on an IO error."""
+        """Read the page in ``slot`` into ``view`` and verify it; raises OSError on IO errors."""
         layout = self.layout
-        offset = layout.offset(slot)
         if self.direct:
-            bounce = self._bounce()
-            got = os.preadv(fd, [bounce], offset)
-            if got < layout.payload_offset + layout.page_bytes:
+            bounce = self._buffers()[0]
+            if os.preadv(fd, [bounce], layout.payload_at(slot)) < layout.page_bytes:
                 return Verdict.TORN
-            payload = bounce[layout.payload_offset:layout.payload_offset + layout.page_bytes]
-            verdict = layout.verify(bounce, key, payload, self.verify_payload)
+            payload = bounce[:layout.page_bytes]
+            header = self._header(fd, slot)
+            if header is None:
+                return Verdict.TORN
+            verdict = layout.verify(header, key, payload, self.verify_payload)
             if verdict is Verdict.OK:
                 view[:] = payload
             return verdict
-        prefix = bytearray(layout.payload_offset)
-        if os.preadv(fd, [prefix, view], offset) < layout.payload_offset + layout.page_bytes:
+        if os.preadv(fd, [view], layout.payload_at(slot)) < layout.page_bytes:
             return Verdict.TORN
-        return layout.verify(prefix, key, view, self.verify_payload)
+        header = self._header(fd, slot)
+        if header is None:
+            return Verdict.TORN
+        return layout.verify(header, key, view, self.verify_payload)
 
-    def write(self, fd: int, slot: int, key: bytes, payload: memoryview) -> None:
-        """Write a complete record for ``key`` into ``slot``; raises OSError if any byte failed."""
+    def write(self, fd: int, direct_fd: int | None, slot: int, key: bytes,
+              payload: memoryview) -> None:
+        """Write the payload, then the header, of ``key``'s record into ``slot``; raises
+        OSError if any byte failed. ``direct_fd``: an O_DIRECT descriptor for the payload."""
         layout = self.layout
-        prefix = layout.encode_prefix(key, payload)
-        if self.direct:
-            bounce = self._bounce()
-            bounce[:layout.payload_offset] = prefix
-            bounce[layout.payload_offset:layout.payload_offset + layout.page_bytes] = payload
-            parts: list[memoryview | bytes] = [bounce]
+        header = layout.encode_header(key, payload)
+        if direct_fd is not None:
+            bounce = self._buffers()[0]
+            bounce[:layout.page_bytes] = payload
+            written = os.pwritev(direct_fd, [bounce], layout.payload_at(slot))
+            want = layout.payload_stride
         else:
-            parts = [prefix, payload]
-        want = sum(memoryview(p).nbytes for p in parts)
-        if os.pwritev(fd, parts, layout.offset(slot)) != want:
+            written = os.pwritev(fd, [payload], layout.payload_at(slot))
+            want = layout.page_bytes
+        if written != want or os.pwrite(fd, header, layout.header_at(slot)) != len(header):
             raise OSError(errno.ENOSPC, "short record write")
 
     # ---- partial reads -------------------------------------------------------------------
     def chunk_cover(self, ranges: Sequence[ByteRange]) -> list[tuple[int, int]] | None:
         """Runs of chunks ``[first, last)`` holding ``ranges``; None when a whole read is
         cheaper (a page of one chunk, ranges spread over most of the page, or O_DIRECT, which
-        reads whole aligned records)."""
+        reads whole aligned payloads)."""
         layout = self.layout
         for r in ranges:
             if r.offset < 0 or r.length < 0 or r.end > layout.page_bytes:
@@ -150,44 +174,45 @@ class RecordIO:
                     ranges: Sequence[ByteRange], out: memoryview) -> Verdict:
         """Read only the chunks in ``runs``, verify each, and pack ``ranges`` into ``out``."""
         layout, chunk = self.layout, self.layout.chunk_bytes
-        base = layout.offset(slot)
-        scratch = self._bounce()
-        prefix = scratch[:layout.payload_offset]
-        if os.preadv(fd, [prefix], base) < layout.payload_offset:
+        header = self._header(fd, slot)
+        if header is None:
             return Verdict.TORN
-        verdict = layout.verify(prefix, key, memoryview(b""), check_payload=False)
+        verdict = layout.verify(header, key, memoryview(b""), check_payload=False)
         if verdict is not Verdict.OK:
             return verdict
-        payload = scratch[layout.payload_offset:layout.payload_offset + layout.page_bytes]
+        payload = self._buffers()[0][:layout.page_bytes]
+        base = layout.payload_at(slot)
         for first, last in runs:
             start, end = first * chunk, min(last * chunk, layout.page_bytes)
-            if os.preadv(fd, [payload[start:end]], base + layout.payload_offset + start) < end - start:
+            if os.preadv(fd, [payload[start:end]], base + start) < end - start:
                 return Verdict.TORN
             for c in range(first, last):
                 piece = payload[c * chunk:min((c + 1) * chunk, layout.page_bytes)]
-                if xxhash.xxh3_64_intdigest(piece) != layout.chunk_digest(prefix, c):
+                if xxhash.xxh3_64_intdigest(piece) != layout.chunk_digest(header, c):
                     return Verdict.CORRUPT
-        pos = 0
-        for r in ranges:
-            out[pos:pos + r.length] = payload[r.offset:r.end]
-            pos += r.length
+        _pack(payload, ranges, out)
         return Verdict.OK
 
     def read_whole_then_pack(self, fd: int, slot: int, key: bytes,
                              ranges: Sequence[ByteRange], out: memoryview) -> Verdict:
         """Read and verify the whole page into scratch, then pack ``ranges`` into ``out``."""
         layout = self.layout
-        scratch = self._bounce()
-        span = layout.record_bytes if self.direct else layout.payload_offset + layout.page_bytes
-        got = os.preadv(fd, [scratch[:span]], layout.offset(slot))
-        if got < layout.payload_offset + layout.page_bytes:
+        scratch = self._buffers()[0]
+        span = layout.payload_stride if self.direct else layout.page_bytes
+        if os.preadv(fd, [scratch[:span]], layout.payload_at(slot)) < layout.page_bytes:
             return Verdict.TORN
-        payload = scratch[layout.payload_offset:layout.payload_offset + layout.page_bytes]
-        verdict = layout.verify(scratch, key, payload, self.verify_payload)
+        header = self._header(fd, slot)
+        if header is None:
+            return Verdict.TORN
+        payload = scratch[:layout.page_bytes]
+        verdict = layout.verify(header, key, payload, self.verify_payload)
         if verdict is Verdict.OK:
-            pos = 0
-            for r in ranges:
-                out[pos:pos + r.length] = payload[r.offset:r.end]
-                pos += r.length
+            _pack(payload, ranges, out)
         return verdict
 
+
+def _pack(payload: memoryview, ranges: Sequence[ByteRange], out: memoryview) -> None:
+    pos = 0
+    for r in ranges:
+        out[pos:pos + r.length] = payload[r.offset:r.end]
+        pos += r.length

@@ -40,8 +40,7 @@ def payload_locations(store: FileStore, keys: Sequence[bytes]) -> list[tuple[Pat
                 out.append(None)
                 continue
             seg, slot = split(loc)
-            out.append((segment_path(store.segments_dir, seg),
-                        store.layout.offset(slot) + store.layout.payload_offset))
+            out.append((segment_path(store.segments_dir, seg), store.layout.payload_at(slot)))
     return out
 
 

@@ -100,6 +100,21 @@ class MemoryStore(PageStore):
         with self._shelf.lock:
             return sum(self._shelf.pages.pop(bytes(k), None) is not None for k in keys)
 
+    def resize(self, max_bytes: int | None) -> dict[str, Any]:
+        """Set the byte cap now; a shrink evicts least recently used pages until the store fits
+        (under the store's lock, so no read or write is ever cut short)."""
+        if max_bytes is not None and max_bytes < self.page_bytes:
+            raise ConfigError("max_bytes", max_bytes, f"at least one page ({self.page_bytes} bytes)")
+        shelf = self._shelf
+        evicted = 0
+        with shelf.lock:
+            self.max_pages = None if max_bytes is None else max_bytes // self.page_bytes
+            while self.max_pages is not None and len(shelf.pages) > self.max_pages:
+                shelf.pages.popitem(last=False)
+                evicted += 1
+        shelf.counters.add(evicted=evicted)
+        return {"fits": True}
+
     def clear(self) -> None:
         with self._shelf.lock:
             self._shelf.pages.clear()

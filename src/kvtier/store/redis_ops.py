@@ -61,7 +61,7 @@ def set_pages(rkeys: Sequence[bytes], headers: Sequence[bytes], payloads: Sequen
             pieces.append(payload)
             pieces.append(b"\r\n" + expiry)
         channel.send(pieces)
-        replies = [reader.simple() for _ in rkeys]
+        replies = reader.replies_like(len(rkeys), b"+OK\r\n")
         _raise_unavailable(replies)
         return replies
 
@@ -69,11 +69,11 @@ def set_pages(rkeys: Sequence[bytes], headers: Sequence[bytes], payloads: Sequen
 
 
 def per_key(command: bytes, rkeys: Sequence[bytes]) -> Any:
-    """``command key`` for each key (EXISTS, DEL), pipelined; replies are integers or errors."""
+    """``command key`` for each key (EXISTS, DEL), pipelined; replies are 0 / 1 or errors."""
 
     def work(channel: Channel, reader: ReplyReader) -> list[Any]:
         channel.send([pack_key_command(command, rkeys)])
-        replies = [reader.simple() for _ in rkeys]
+        replies = reader.small_ints(len(rkeys))
         _raise_unavailable(replies)
         return replies
 

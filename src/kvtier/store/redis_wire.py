@@ -164,6 +164,26 @@ class ReplyReader:
             return MISS if count < 0 else [self.simple() for _ in range(count)]
         raise ProtocolError(f"unexpected reply {text[:40]!r}")
 
+    def replies_like(self, count: int, expected: bytes) -> list[Any]:
+        """``count`` replies; when every one is the status line ``expected`` (``+OK``), one
+        compare instead of ``count`` parses. Only for the last replies in flight (it reads
+        ``count * len(expected)`` bytes, which every reply of such a batch has at least)."""
+        data = self.exact(count * len(expected))
+        if data == expected * count:
+            return [expected[1:-2].decode()] * count
+        self._buf[:0] = data  # something else (an error reply): parse them one by one
+        return [self.simple() for _ in range(count)]
+
+    def small_ints(self, count: int) -> list[Any]:
+        """``count`` replies that are ``:0`` / ``:1`` (EXISTS, DEL of one key) matched in bulk;
+        parsed one by one when any is something else. Only for the last replies in flight."""
+        data = self.exact(4 * count)
+        if (data[0::4] == b":" * count and data[2::4] == b"\r" * count
+                and data[3::4] == b"\n" * count and not data[1::4].strip(b"01")):
+            return [digit - 48 for digit in data[1::4]]
+        self._buf[:0] = data
+        return [self.simple() for _ in range(count)]
+
     def _page_fast(self, head: bytes, header_bytes: int, dest: memoryview) -> bytes | None:
         """The header of a full-size reply received in one piece, its payload then read into
         ``dest``; None (bytes kept for the general path) when the reply is anything else."""

@@ -93,16 +93,23 @@ class _Active:
 
 @dataclass(frozen=True)
 class Slot:
-    """Where one record goes: segment id, slot, and the descriptor to write it through."""
+    """Where one record goes: segment id, slot, and the descriptors to write it through."""
 
     seg: int
     slot: int
     fd: int
+    direct_fd: int | None  # O_DIRECT descriptor for the payload, when the store uses it
+
+
+#: Segments a process appends to at once. Buffered writes to one file serialize on its inode
+#: lock, so writer threads get a segment each (up to this many, then they share).
+WRITE_LANES = 4
 
 
 @dataclass
 class SegmentWriter:
-    """Reserves slots in this process's active segment; starts a new one when it fills."""
+    """Reserves slots in this process's active segments (one per writer thread, up to
+    ``WRITE_LANES``); starts a new segment when one fills."""
 
     directory: Path
     layout: RecordLayout
@@ -110,7 +117,15 @@ class SegmentWriter:
     direct: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _open: dict[int, _Active] = field(default_factory=dict)
-    _current: _Active | None = None
+    _current: dict[int, _Active] = field(default_factory=dict)  # lane -> segment
+    _lanes: dict[int, int] = field(default_factory=dict)  # thread id -> lane
+
+    def _lane(self) -> int:
+        ident = threading.get_ident()
+        lane = self._lanes.get(ident)
+        if lane is None:
+            lane = self._lanes[ident] = len(self._lanes) % WRITE_LANES
+        return lane
 
     def reserve(self, count: int) -> list[Slot]:
         """``count`` slots, in order; pair each with ``release`` once its record is journaled.
@@ -119,14 +134,14 @@ class SegmentWriter:
         """
         slots: list[Slot] = []
         with self._lock:
+            lane = self._lane()
             while len(slots) < count:
-                active = self._current
+                active = self._current.get(lane)
                 if active is None or active.full:
-                    active = self._current = self._create()
+                    active = self._current[lane] = self._create()
                     self._open[active.seg] = active
                 take = min(count - len(slots), self.layout.slots - active.next_slot)
-                fd = active.direct_fd if active.direct_fd is not None else active.fd
-                slots += [Slot(active.seg, s, fd)
+                slots += [Slot(active.seg, s, active.fd, active.direct_fd)
                           for s in range(active.next_slot, active.next_slot + take)]
                 active.next_slot += take
                 active.in_flight += take
@@ -147,15 +162,26 @@ class SegmentWriter:
             return set(self._open)
 
     def abandon_current(self) -> None:
-        """Stop appending to the current segment (after a write error on it)."""
+        """Stop appending to this thread's segment (after a write error on it)."""
         with self._lock:
-            if self._current is not None:
-                self._current.full = True
-                if self._current.in_flight == 0:
-                    self._seal(self._current)
+            active = self._current.get(self._lane())
+            if active is not None and not active.full:
+                active.full = True
+                if active.in_flight == 0:
+                    self._seal(active)
+
+    def seal_all(self) -> None:
+        """Stop appending to every current segment (a shrink or a clear of the store); each
+        is sealed now, or by ``release`` once the writes in it land."""
+        with self._lock:
+            for active in list(self._current.values()):
+                active.full = True
+                if active.in_flight == 0:
+                    self._seal(active)
+            self._current.clear()
 
     def _create(self) -> _Active:
-        seg = self.next_id()
+        seg = max(self.next_id(), max(self._open, default=-1) + 1)
         while True:
             path = segment_path(self.directory, seg)
             try:
@@ -177,7 +203,7 @@ class SegmentWriter:
         with self._lock:
             for active in list(self._open.values()):
                 self._seal(active)
-            self._current = None
+            self._current.clear()
 
 
 def owned_by_a_writer(directory: Path, seg: int) -> bool:

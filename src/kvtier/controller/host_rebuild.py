@@ -1,0 +1,143 @@
+"""Rebuilding the host pool of a live cache (a new size, or a pool built elsewhere).
+
+Owns ``rebuild_host_pool(admin, pool_bytes=..., new_pool=...)``. The host pool has five readers
+(the controller's context, the copy engine, the IO workers, the index's host allocator, and the
+prefetch and write-staging bounds derived from its size), and all of them move together inside
+one ``BindingTable.swap``:
+
+1. refuse, changing nothing, a pool whose layout differs from the device pool's
+   (``LayoutMismatch`` names each difference), a pool that would not fit the pinned budget, or a
+   host tier still in use (copies or IO jobs in flight, pages locked by a request);
+2. drain copies and IO, drop the host tier's pages from the index;
+3. swap: build the new pool (after closing the old one when both would not fit the budget),
+   point every reader at it, restart the IO workers on it, close the old pool.
+
+If a step fails, the host tier is disabled instead (no pool, no copy engine, no workers, and
+the store tiers unbound since they only talk to the host tier): logged, counted, and
+``SwapFailed`` raised. Engine thread only, with the server idle.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvtier.controller.bindings import Later, check_host_shape
+from kvtier.controller.reconfig_support import STORE_TIERS, Busy, Unsupported
+from kvtier.index.residency import TIER_INDEX
+
+
+def rebuild_host_pool(admin: Any, *, pool_bytes: int | None = None,
+                      new_pool: Any = None) -> dict[str, Any]:
+    """Replace the host pool by one of ``pool_bytes`` (or by ``new_pool``); see the module
+    docstring. Returns old and new page counts and the new generation."""
+    ctx, cache = admin.ctx, admin.cache
+    old = ctx.host_pool
+    if old is None:
+        raise Busy("the host tier is off (host.pool_bytes 0 at start, or disabled after a failed "
+                   "swap); restart the server to turn it on")
+    if new_pool is not None:
+        check_host_shape(new_pool, ctx.device_pool)
+        need = 0
+    else:
+        pages = int(pool_bytes or 0) // old.page_bytes
+        if pages < 1:
+            raise Unsupported(f"pool_bytes {pool_bytes} holds no page of {old.page_bytes} bytes")
+        need = pages * old.page_bytes
+        _check_budget(cache.pinned_budget, need, old)
+    _empty_host_tier(admin)
+    box: dict[str, Any] = {"pool": new_pool}
+    first_close = need > _available(cache.pinned_budget)
+
+    def build() -> None:
+        if first_close:
+            old.close()
+        if box["pool"] is None:
+            box["pool"] = _new_pool(old, need // old.page_bytes, cache.pinned_budget)
+
+    binding = admin.table.swap(
+        "host_pool", Later(lambda: (box["pool"], {"allocator": box["pool"].allocator})),
+        [build, lambda: _point_readers(admin, box["pool"]), lambda: _close(old)],
+        lambda: _disable_host(admin, box.get("pool")),
+        detail="rebuilt")
+    pool = box["pool"]
+    return {"old_pages": old.num_pages, "new_pages": pool.num_pages,
+            "page_bytes": pool.page_bytes, "generation": binding.generation}
+
+
+def _available(budget: Any) -> int:
+    return int(budget.stats()["available_bytes"]) if budget is not None else 1 << 62
+
+
+def _check_budget(budget: Any, need: int, old: Any) -> None:
+    if budget is None:
+        return
+    room = _available(budget) + old.num_pages * old.page_bytes
+    if need > room:
+        raise Busy(f"a host pool of {need} bytes does not fit the pinned budget: {room} bytes "
+                   "are free with the old pool given back (raise host.pinned_budget_bytes)")
+
+
+def _empty_host_tier(admin: Any) -> None:
+    ctx, controller = admin.ctx, admin.controller
+    if not controller.drain(ctx.config.job_deadline_s):
+        raise Busy("copies or IO jobs are still in flight; retry")
+    ctx.index.clear("host")
+    held = ctx.index.sizes("host").resident
+    if held or ctx.host_outside or controller.prefetcher.tasks:
+        raise Busy(f"the host tier is in use ({held} pages locked, {ctx.host_outside} held by "
+                   "copies or jobs); retry when the server is idle")
+
+
+def _new_pool(old: Any, pages: int, budget: Any) -> Any:
+    from kvtier.memory import HostPool
+
+    return HostPool(old.layout, pages, budget, host_layout=old.host_layout)
+
+
+def _point_readers(admin: Any, pool: Any) -> None:
+    from kvtier.memory.admission import WriteAdmission, staging_capacity_pages
+    from kvtier.transfer import CopyEngine
+
+    ctx, config = admin.ctx, admin.config
+    share = config.host.prefetch_share
+    ctx.host_pool = pool
+    ctx.index.ledgers[TIER_INDEX["host"]].allocator = pool.allocator
+    ctx.copy = CopyEngine(ctx.device_pool, pool)
+    if ctx.workers is not None:
+        from kvtier.controller.workers import IOWorkers
+
+        ctx.workers.close()
+        ctx.workers = IOWorkers(pool, config.controller.io_workers, config.controller.io_queue_depth)
+    if ctx.admission is not None:
+        ctx.admission = WriteAdmission.for_host_pool(pool.num_pages, share)
+    prefetcher = admin.controller.prefetcher
+    prefetcher.landing_cap = pool.num_pages - staging_capacity_pages(pool.num_pages, share)
+    prefetcher.landing = 0
+
+
+def _close(pool: Any) -> None:
+    if not pool.closed:
+        pool.close()
+
+
+def _disable_host(admin: Any, new_pool: Any) -> None:
+    """Leave no reader holding any host pool, and unbind the stores (they need the host)."""
+    ctx, table = admin.ctx, admin.table
+    if ctx.workers is not None:
+        ctx.workers.close()
+        ctx.workers = None
+    for pool in (ctx.host_pool, new_pool):
+        if pool is not None:
+            _close(pool)
+    ctx.host_pool = None
+    ctx.copy = None
+    ctx.admission = None
+    ctx.index.ledgers[TIER_INDEX["host"]].allocator = None
+    admin.controller.prefetcher.landing_cap = 0
+    for tier in STORE_TIERS:
+        store = ctx.stores.get(tier)
+        if store is not None:
+            admin.unbind_store(tier)
+            store.close()
+            table.bind(admin.slot(tier), None, detail="disabled",
+                       disabled="the host tier was disabled")
