@@ -22,7 +22,6 @@ Prints a table (GB/s) and writes JSON with machine info. Main thread plus caller
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 import time
@@ -37,21 +36,22 @@ from kvtier.commands.bench_store import (
     aligned_pages,
     bench_one,
     drop_caches,
+    flush_files,
     run_batches,
 )
 from kvtier.config import parse_size
 from kvtier.machine import format_table, write_report
 
 
-def timed_phases(name: str, pages: int, page_bytes: int, threads: int, batch: int,
+def timed_phases(name: str, root: Path, pages: int, page_bytes: int, threads: int, batch: int,
                  write: Callable, read: Callable, contains: Callable, repeats: int) -> dict:
-    """Write all pages, sync, contains over all keys, warm read (best of ``repeats``), cold
-    read (best of ``repeats``, caches dropped before each)."""
+    """Write all pages, flush the files under ``root`` to disk, contains over all keys, warm
+    read (best of ``repeats``), cold read (best of ``repeats``, caches dropped before each)."""
     keys = list(range(pages))
     gb = pages * page_bytes / 1e9
     write_s = run_batches(threads, keys, batch, write)
     begin = time.perf_counter()
-    os.sync()
+    flush_files(f"file://{root}")
     sync_s = time.perf_counter() - begin
     begin = time.perf_counter()
     present = contains(keys)
@@ -90,7 +90,7 @@ def sglang_run(root: Path, pages: int, page_bytes: int, threads: int, batch: int
         got = store.batch_get([names[i] for i in idx], dest[t][:len(idx)])
         assert all(g is not None for g in got)
 
-    return timed_phases("sglang HiCacheFile", pages, page_bytes, threads, batch, write, read,
+    return timed_phases("sglang HiCacheFile", root, pages, page_bytes, threads, batch, write, read,
                         lambda ks: sum(store.exists(names[i]) for i in ks), repeats)
 
 
@@ -140,7 +140,7 @@ def lmcache_run(root: Path, pages: int, page_bytes: int, threads: int, batch: in
             obj.ref_count_down()
 
     try:
-        return timed_phases("lmcache LocalDiskBackend", pages, page_bytes, threads, batch,
+        return timed_phases("lmcache LocalDiskBackend", root, pages, page_bytes, threads, batch,
                             write, read, lambda ks: sum(disk.contains(keys[i]) for i in ks),
                             repeats)
     finally:

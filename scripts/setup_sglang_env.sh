@@ -27,8 +27,9 @@ TORCHVISION_PIN="torchvision==0.28.0"   # the release built against torch 2.13
 # Modules that SGLang's hicache_storage, storage factory, pool_host and memory_pool import.
 SGLANG_IMPORT_DEPS=(
   numpy triton orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic
-  pyzmq tqdm ipython aiohttp "transformers==5.19.0" dill apache-tvm-ffi sentencepiece
-  compressed-tensors gguf
+  pyzmq tqdm ipython aiohttp dill gguf
+  # pinned as SGLang 0.5.23 pins them
+  "transformers==5.19.0" "apache-tvm-ffi==0.1.11" "compressed-tensors==0.18.0" "sentencepiece==0.2.1"
 )
 # kvtier's own runtime dependencies (pyproject [project.dependencies]), its redis extra, and the
 # test runner for the suite.
@@ -41,13 +42,20 @@ fi
 
 echo "building $VENV (SGLang 0.5.23 on CPU torch 2.13.0)"
 test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
-"${PIP[@]}" --upgrade pip
+pip_install() {
+  # pip warns about every extra index folder lacking a package, and that SGLang's full (GPU)
+  # dependency set is absent; only errors matter here.
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@" 2>&1 \
+    | { grep -v -e "^WARNING: Location" -e "^sglang 0.5.23 requires" \
+          -e "dependency resolver does not currently" || true; }
+  return "${PIPESTATUS[0]}"
+}
+pip_install --upgrade pip
 # torch first and pinned in every later call, so no dependency can swap in a CUDA build.
-"${PIP[@]}" "$TORCH_PIN"
-"${PIP[@]}" --no-deps "$SGLANG_PIN" "$TORCHVISION_PIN"
-"${PIP[@]}" "$TORCH_PIN" "${SGLANG_IMPORT_DEPS[@]}" "${KVTIER_DEPS[@]}"
-"${PIP[@]}" --no-deps -e "$ROOT"
+pip_install "$TORCH_PIN"
+pip_install --no-deps "$SGLANG_PIN" "$TORCHVISION_PIN"
+pip_install "$TORCH_PIN" "${SGLANG_IMPORT_DEPS[@]}" "${KVTIER_DEPS[@]}"
+pip_install --no-deps -e "$ROOT"
 
 SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 cat > "$SITE/_kvtier_cpu_torchvision.py" <<'PY'

@@ -43,8 +43,9 @@ def _greedy(lm, cache, logits) -> list[int]:
 def through(cache: PrefixCache, prompt: list[int], salt: str | None = None) -> Answer:
     report = PrefillReport(len(prompt))
     kv, logits, state = cache.prefill(prompt, salt, report)
+    cache.commit_prompt(state, prompt, kv)
     tokens = _greedy(cache.lm, kv, logits)
-    cache.finish(state, prompt + tokens[:-1], kv, salt)
+    cache.finish(state, prompt + tokens[:-1], kv)
     cache.settle()
     cache.tiered.check_integrity()
     return Answer(tokens, logits, report)

@@ -162,7 +162,7 @@ def _gloo_rank(rank: int, init_file: str, pages: int, out: Any) -> None:
 
 
 def test_two_processes_agree_through_torch_distributed(tmp_path: Path) -> None:
-    ctx = multiprocessing.get_context("fork")  # torch is already imported: children start fast
+    ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     init = str(tmp_path / "gloo-init")
     procs = [ctx.Process(target=_gloo_rank, args=(r, init, pages, out))

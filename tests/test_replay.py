@@ -189,3 +189,26 @@ def test_synthetic_chat_turns_extend_the_previous_prompt():
     assert trace.infinite_share() > 0.2
     with pytest.raises(ConfigError):
         synthetic.make("nope")
+
+
+def _rerun(log, policy):
+    victims = []
+    for method, args in log:
+        out = getattr(policy, method)(*args)
+        if method == "pop_victim":
+            victims.append(out)
+    return victims
+
+
+def test_a_recorded_call_stream_replays_identically_on_a_fresh_policy():
+    from kvtier.index.eviction import make_eviction_policy
+    from kvtier.replay.timing import RecordingPolicy, time_calls
+
+    trace = synthetic.rag(synthetic.Shape(requests=200, duration_s=300))
+    recorder = RecordingPolicy(make_eviction_policy("lrfu"))
+    replay(trace, ReplayConfig(200 * 512, policy="lrfu"), policy_factory=lambda: recorder)
+    victims = _rerun(recorder.log, make_eviction_policy("lrfu"))
+    assert victims and None not in victims
+    assert victims == _rerun(recorder.log, make_eviction_policy("lrfu"))
+    timing = time_calls(recorder.log, lambda: make_eviction_policy("lrfu"), repeats=2)
+    assert timing["calls"] == len(recorder.log) and timing["us_per_call"] > 0

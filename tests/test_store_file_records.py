@@ -208,3 +208,19 @@ def test_read_path_header_decoder_agrees_with_the_record_module() -> None:
     magic, version, size, _flags, length, digest, key, _crc = _HEADER.unpack_from(header)
     assert (key, length, digest) == decode_header(header)
     assert (magic, size) == (b"KVTR", 64)
+
+
+def test_batch_of_consecutive_pages_fails_only_the_damaged_one(tmp_path: Path) -> None:
+    store = _open(tmp_path)
+    _fill(store, range(6))  # consecutive slots: read back with one coalesced read
+    _flip(store, 2, 9)
+    out = [np.zeros(PAGE, np.uint8) for _ in range(6)]
+    assert store.read_into([key_for(i) for i in range(6)], out) == [True, True, False, True,
+                                                                    True, True]
+    assert all(out[i].tobytes() == page_bytes_for(i, PAGE) for i in (0, 1, 3, 4, 5))
+    assert store.stats().corrupt == 1
+    seg, slot = split(store.index.where[key_for(4)])
+    os.truncate(segment_path(store.segments_dir, seg), store.layout.payload_at(slot) + 10)
+    found = store.read_into([key_for(i) for i in range(6)], out)
+    assert found == [True, True, False, True, False, False]
+    store.close()

@@ -80,6 +80,10 @@ class TieredCache:
             host_pool = HostPool.from_bytes(layout, config.host.pool_bytes, budget,
                                             host_layout=config.host.layout)
         opened = stores if stores is not None else _open_stores(config, layout) if host_pool else {}
+        if host_pool is None:  # stores only talk to the host tier: without one they are unused
+            for store in opened.values():
+                store.close()
+            opened = {}
         allocators = {"device": device_pool.allocator}
         if host_pool is not None:
             allocators["host"] = host_pool.allocator
@@ -88,7 +92,7 @@ class TieredCache:
             index=RadixIndex(layout.page_size, allocators=allocators), namespace=namespace,
             config=ctrl, device_pool=device_pool, host_pool=host_pool,
             copy=CopyEngine(device_pool, host_pool) if host_pool is not None else None,
-            stores=dict(opened) if host_pool is not None else {},
+            stores=dict(opened),
             rates=RateBook.for_device(device))
         if ctx.stores:
             ctx.workers = IOWorkers(host_pool, ctrl.io_workers, ctrl.io_queue_depth)

@@ -47,7 +47,7 @@ def test_corrupt_page_on_disk_is_a_miss_and_other_pages_still_load(backends, dis
     keys = names(3)
     expected = [page_bytes(pool, p) for p in (0, 1, 2)]
     assert all(backend.batch_set_v1(keys, page_slots(pool, [0, 1, 2])))
-    _corrupt_stored_page(backend, keys[1])
+    _corrupt_stored_payload(backend, expected[1])
     pool.kv_buffer.zero_()
     got = backend.batch_get_v1(keys, page_slots(pool, [5, 6, 7]))
     assert got == [True, False, True]
@@ -55,18 +55,17 @@ def test_corrupt_page_on_disk_is_a_miss_and_other_pages_still_load(backends, dis
     assert _disk_stats(backend)["corrupt"] == 1
 
 
-def _corrupt_stored_page(backend, name: str) -> None:
-    """Flip one payload byte of the record stored for SGLang page ``name``."""
-    store = backend.tiers.tiers[0][1]
-    layout, key = store.layout, backend._keys.key(name)
-    for segment in sorted(Path(store.root).rglob("*.seg")):
+def _corrupt_stored_payload(backend, payload: bytes) -> None:
+    """Flip one byte of a stored page, found on disk by its (random, so unique) bytes."""
+    root = backend.tiers.tiers[0][1].root
+    for segment in sorted(Path(root).rglob("*.seg")):
         data = bytearray(segment.read_bytes())
-        for start in range(0, len(data) - layout.record_bytes + 1, layout.record_bytes):
-            if bytes(data[start + 28:start + 60]) == key:
-                data[start + layout.payload_offset + 10] ^= 0xFF
-                segment.write_bytes(bytes(data))
-                return
-    raise AssertionError("stored record not found")
+        at = data.find(payload)
+        if at >= 0:
+            data[at + 10] ^= 0xFF
+            segment.write_bytes(bytes(data))
+            return
+    raise AssertionError("stored page not found on disk")
 
 
 def test_store_that_raises_answers_misses_and_refusals(backends, disk_url):

@@ -6,9 +6,10 @@ baseline of the same bytes on the same device, measured in the same run.
 
 Each run (page size x threads x warm/cold) opens a fresh store location (a subdirectory for
 ``file://``), writes the pages with ``--threads`` writer threads (``--batch`` pages per call),
-syncs, times ``contains`` over 100k lookups, reads everything back into page-aligned buffers
-(best of ``--repeats``; cold runs drop the page cache first, as root), reopens the store (open
-time), then asks the scheme's raw baseline to move the same bytes. The table and JSON report
+flushes its files to disk (``fdatasync``), times ``contains`` over 100k lookups, reads
+everything back into page-aligned buffers (best of ``--repeats``; cold runs drop the page cache
+first, as root), reopens the store (open time), then asks the scheme's raw baseline to move the
+same bytes. The table and JSON report
 pages/s and GB/s; the last line printed is the worst read/raw ratio. Main thread plus workers.
 
 Raw baselines, one per URL scheme, are named in ``RAW_BASELINES`` and imported on first use (a
@@ -24,7 +25,8 @@ missing module fails only its own scheme). Each is a function::
         threads and ``batch`` pages per call, without kvtier's index, headers or checksums
         (disk: ``os.preadv``/``pwritev`` over files; Redis: pipelined GET/SET). ``cold``: drop
         caches before each read where possible (``bench_store.drop_caches``). Return at least
-        ``raw_write_gbps`` (including a final flush), ``raw_read_gbps`` (best of ``repeats``)
+        ``raw_write_gbps`` (including a flush to the device), ``raw_read_gbps`` (best of
+        ``repeats``)
         and ``raw_method`` (one line saying what was timed); other keys go into the JSON.
         '''
 """
@@ -85,6 +87,21 @@ def drop_caches() -> bool:
         return True
     except OSError:
         return False
+
+
+def flush_files(url: str) -> None:
+    """fdatasync every file of a ``file://`` store (not ``os.sync()``: that would also wait
+    for whatever else the machine has dirty)."""
+    parts = urlsplit(url)
+    if parts.scheme != "file":
+        return
+    for path in Path(parts.path).rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
 
 
 def raw_baseline(scheme: str) -> Callable[..., dict[str, Any]]:
@@ -155,7 +172,7 @@ def bench_one(url: str, page_bytes: int, pages: int, threads: int, batch: int, c
 
         write_s = run_batches(threads, keys, batch, write)
         sync_start = time.perf_counter()
-        os.sync()
+        flush_files(run_url)
         sync_s = time.perf_counter() - sync_start
         lookups = (keys * (CONTAINS_LOOKUPS // max(1, pages) + 1))[:CONTAINS_LOOKUPS]
         contains_start = time.perf_counter()

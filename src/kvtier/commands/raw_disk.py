@@ -4,8 +4,8 @@ Reads: a plain ``os.preadv`` of each page's payload bytes at its place in the st
 files, into page-aligned buffers, with the same threads and batches as the store run: the same
 bytes on the same disk, without index lookups, headers or checksums. Writes: the same pages
 written sequentially with ``os.pwritev`` into one new file per thread in the store directory,
-then ``os.sync()`` (the store's write time includes the same sync). Runs on the benchmark's
-main thread and its worker threads.
+then ``fdatasync`` of each (the store's write time includes the same flush of its files). Runs
+on the benchmark's main thread and its worker threads.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def measure(url: str, *, store: PageStore, keys: Sequence[bytes], sources: Seque
     return {"raw_read_gbps": gb / read_s, "raw_write_gbps": gb / (write_s + sync_s),
             "raw_write_buffered_gbps": gb / write_s,
             "raw_method": "os.preadv of each payload in the store's segment files; os.pwritev "
-                          "of the same pages to one new file per thread, then os.sync()"}
+                          "of the same pages to one new file per thread, then fdatasync"}
 
 
 def _raw_read(store: PageStore, locations: list, threads: int, batch: int, cold: bool,
@@ -83,7 +83,8 @@ def _raw_write(store: Any, pages: int, sources: Sequence[memoryview], threads: i
     try:
         write_s = run_batches(threads, list(range(pages)), batch, write)
         begin = time.perf_counter()
-        os.sync()
+        for fd in fds:
+            os.fdatasync(fd)
         sync_s = time.perf_counter() - begin
     finally:
         for fd in fds:

@@ -4,9 +4,9 @@ Owns ``StorageAdmin``, built over a ``TieredCache``. It binds every slot in a ``
 (``host_pool``, ``device_pool``, ``store.disk``, ``store.remote``) and registers the readers
 that hold them: the controller's context, the copy engine, the IO workers and their live jobs,
 the index (its host and device allocators, and the store marks it keeps for each store tier)
-and, when given, the engine. Every change goes through ``BindingTable.swap``, so a change that
-fails part-way disables the tier instead of leaving it half-bound, and a coherence check
-follows every change.
+and, when given, the engine (``engine_holds`` returns the device KV tensor it reads). Every
+change goes through ``BindingTable.swap``, so a change that fails part-way disables the tier
+instead of leaving it half-bound, and a coherence check follows every change.
 
 - ``attach`` opens a store (config defaults < URL query < ``max_bytes``) and binds it, starting
   the IO workers if none run yet; the index starts with no marks for the tier.
@@ -65,7 +65,7 @@ class StorageAdmin:
     def _bind_initial(self) -> None:
         ctx = self.ctx
         self.table.bind("device_pool", ctx.device_pool,
-                        facets={"allocator": ctx.device_pool.allocator})
+                        facets={"allocator": ctx.device_pool.allocator, "kv": ctx.device_pool.kv})
         pool = ctx.host_pool
         self.table.bind("host_pool", pool, facets={"allocator": pool.allocator} if pool else None,
                         detail=f"{pool.num_pages} pages" if pool else "off")
@@ -82,7 +82,7 @@ class StorageAdmin:
         add(Reader("index", "device_pool", lambda: self._allocator("device"), "allocator"))
         add(Reader("copy_engine", "device_pool", lambda: _held(ctx.copy, "_device_pool")))
         if engine_holds is not None:
-            add(Reader("engine", "device_pool", engine_holds))
+            add(Reader("engine", "device_pool", engine_holds, "kv"))
         add(Reader("controller", "host_pool", lambda: ctx.host_pool))
         add(Reader("index", "host_pool", lambda: self._allocator("host"), "allocator"))
         add(Reader("copy_engine", "host_pool",

@@ -1,9 +1,9 @@
 """Make the disk tier cold for a benchmark: evict its files from the OS page cache.
 
-Owns ``drop_page_cache(url)``. As root it flushes dirty pages and writes 1 to
-``/proc/sys/vm/drop_caches`` (the whole page cache); otherwise, or if that is refused, it asks
-the kernel to forget each file under the store's directory (``posix_fadvise(DONTNEED)``), which
-works unprivileged for clean pages. Returns which method took effect. Main thread.
+Owns ``drop_page_cache(url)``: it flushes each file under the store's directory and asks the
+kernel to forget its cached pages (``posix_fadvise(DONTNEED)``, unprivileged, only our files).
+On a machine of its own a benchmark may instead drop the whole page cache (root, writing 1 to
+``/proc/sys/vm/drop_caches``). Returns which method took effect. Main thread.
 """
 
 from __future__ import annotations
@@ -40,15 +40,18 @@ def _fadvise_tree(root: Path) -> int:
     return dropped
 
 
-def drop_page_cache(url: str) -> str:
-    """'drop_caches', 'fadvise' or 'none' (not a file store, or nothing could be dropped)."""
+def drop_page_cache(url: str, *, whole_machine: bool = False) -> str:
+    """Evict a file store's pages from the page cache: 'fadvise' (its own files, flushed first),
+    'drop_caches' (``whole_machine``, as root: every cached file of the machine, which slows
+    everything else running there), or 'none' (not a file store, or nothing was dropped)."""
     root = _store_dir(url)
     if root is None or not root.exists():
         return "none"
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("1\n")
-        return "drop_caches"
-    except OSError:
-        pass
+    if whole_machine:
+        os.sync()
+        try:
+            Path("/proc/sys/vm/drop_caches").write_text("1\n")
+            return "drop_caches"
+        except OSError:
+            pass
     return "fadvise" if _fadvise_tree(root) else "none"

@@ -5,8 +5,9 @@ Owns ``PrefixCache``, the engine's side of ``kvtier.cache.TieredCache``. For eac
 1. ``match`` the prompt's full pages; the hit may sit on any tier (device, host, disk, remote).
 2. Split the hit (``plan_split``, the planner's cost model): recompute its head while the tail
    loads, so both finish together. On CUDA the recompute runs on a side stream, queued before
-   the load starts, so the GPU computes while the disk reads and the copy engine copies; with
-   ``split="load"`` nothing is recomputed, with ``split="recompute"`` nothing is loaded.
+   the load starts, so the GPU computes while the disk reads and the copy engine copies (on the
+   CPU it runs on a helper thread while the IO workers read); with ``split="load"`` nothing is
+   recomputed, with ``split="recompute"`` nothing is loaded.
 3. ``load`` the tail to device pages (pinned by the returned ``Loaded``) and append their KV to
    the model's cache after the recomputed head.
 4. Prefill the remaining tokens (at least one: the last position's logits choose the first
@@ -15,12 +16,15 @@ Owns ``PrefixCache``, the engine's side of ``kvtier.cache.TieredCache``. For eac
 
 ``finish`` commits the full pages generation added. The model's cache keeps a private copy of
 the KV, so pages go back to the cache as soon as they are committed. Cold prefills are timed and
-reported (``observe_prefill``): the split needs the model's prefill rate. Engine thread only.
+reported (``observe_prefill``): the split needs the model's prefill rate. Engine thread only,
+plus one helper thread that runs a CPU recompute while the engine thread waits for the load.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,9 +41,13 @@ SPLITS = ("plan", "load", "recompute")
 
 @dataclass
 class PrefixState:
-    """What a sequence keeps between prefill and finish: its committed full pages."""
+    """What a sequence keeps from prefill to finish: the load's pins until the prompt is
+    committed (``commit_prompt``), then how many full pages it has committed."""
 
-    committed_pages: int
+    salt: str | None
+    loaded: Any = None
+    span: tuple[int, int, list[int]] | None = None
+    committed_pages: int = 0
 
 
 class PrefixCache:
@@ -54,6 +62,7 @@ class PrefixCache:
         kv_pages.check_pool(tiered.device_pool.kv, layout.num_layers, layout.num_kv_heads,
                             layout.head_dim, lm.dtype)
         self._side = torch.cuda.Stream(lm.device) if lm.device.type == "cuda" else None
+        self._helper = ThreadPoolExecutor(1, thread_name_prefix="kvtier-recompute")
 
     @classmethod
     def build(cls, config: KvtierConfig, lm: CausalLM, *, split: str = "plan") -> PrefixCache:
@@ -83,16 +92,21 @@ class PrefixCache:
     # ---- prefill -----------------------------------------------------------------------------
     def prefill(self, prompt: list[int], salt: str | None,
                 report: PrefillReport) -> tuple[Any, torch.Tensor, PrefixState]:
+        """The model's cache holding the prompt's KV, the last position's logits, and the state
+        ``commit_prompt`` needs (call it once the first token is out; it releases the pins)."""
         started = time.perf_counter()
         hit = self.tiered.match(prompt, salt)
         report.matched_tokens = hit.tokens
         head = self._head_tokens(hit)
         kv = self.lm.new_cache()
-        self._recompute(prompt[:head], kv)
-        loaded = self.tiered.load(hit, recompute_tokens=head) if hit.tokens > head else None
+        joined = self._start_recompute(prompt[:head], kv)
         try:
-            self._join_side_stream(kv)
-            span = self._usable_span(loaded, head)
+            loaded = self.tiered.load(hit, recompute_tokens=head) if hit.tokens > head else None
+        finally:
+            joined()
+        state = PrefixState(salt, loaded)
+        try:
+            state.span = span = self._usable_span(loaded, head)
             past = head + kv_pages.append_pages(kv, self.pool, span[2]) if span else head
             reused = past - head
             if past >= len(prompt):  # the last position must run to give the first token
@@ -102,11 +116,23 @@ class PrefixCache:
             self._account(report, hit, head, reused, len(prompt) - past)
             if reused == 0 and head == 0:
                 self._observe(len(prompt), started)
-            pages = self._commit(prompt, kv, salt, span)
+        except BaseException:
+            self.release(state)
+            raise
+        return kv, logits, state
+
+    def commit_prompt(self, state: PrefixState, prompt: list[int], kv: Any) -> None:
+        """Commit the prompt's full pages (after the first token went out), release the pins."""
+        try:
+            state.committed_pages = self._commit(prompt, kv, state.salt, state.span)
         finally:
-            if loaded is not None:
-                self.tiered.release(loaded)
-        return kv, logits, PrefixState(pages)
+            self.release(state)
+
+    def release(self, state: PrefixState) -> None:
+        """Unpin what the prefill's load pinned (idempotent)."""
+        loaded, state.loaded, state.span = state.loaded, None, None
+        if loaded is not None:
+            self.tiered.release(loaded)
 
     def _head_tokens(self, hit: Any) -> int:
         """Tokens at the head of the hit to recompute instead of loading (a page multiple)."""
@@ -117,21 +143,27 @@ class PrefixCache:
         planned = int(self.tiered.plan_split(hit))
         return max(0, min(planned - planned % self.page_size, hit.tokens))
 
-    def _recompute(self, head: list[int], kv: Any) -> None:
-        """Run the head of the hit; on CUDA queued on a side stream (the load is not made to
-        wait for it), so it overlaps the load that follows."""
+    def _start_recompute(self, head: list[int], kv: Any) -> Callable[[], None]:
+        """Start running the head of the hit so that it overlaps the load that follows; returns
+        the call that waits for it. On CUDA the forward is queued on a side stream (the copy
+        engine's load is not made to wait for it); on the CPU it runs on a helper thread while
+        this thread waits for the IO workers."""
         if not head:
-            return
+            return lambda: None
+        tokens = self._tensor(head)
         if self._side is None:
-            self.lm.forward(self._tensor(head), kv)
-            return
+            future = self._helper.submit(self.lm.forward, tokens, kv)
+
+            def wait() -> None:
+                future.result()
+            return wait
         self._side.wait_stream(torch.cuda.current_stream(self.lm.device))
         with torch.cuda.stream(self._side):
-            self.lm.forward(self._tensor(head), kv)
+            self.lm.forward(tokens, kv)
+        return lambda: self._join_side_stream(kv)
 
     def _join_side_stream(self, kv: Any) -> None:
-        if self._side is None:
-            return
+        assert self._side is not None
         current = torch.cuda.current_stream(self.lm.device)
         current.wait_stream(self._side)
         for layer in getattr(kv, "layers", []):
@@ -189,12 +221,13 @@ class PrefixCache:
         self.tiered.commit(tokens[:full * self.page_size], [held[p] for p in range(full)], salt)
         return full
 
-    def finish(self, state: PrefixState, tokens: list[int], kv: Any, salt: str | None, *,
+    def finish(self, state: PrefixState, tokens: list[int], kv: Any, *,
                commit: bool = True) -> None:
         """Commit the full pages generation added beyond the prompt's (``tokens`` are those
-        whose KV ``kv`` holds)."""
+        whose KV ``kv`` holds) and drop any pin still held."""
+        self.release(state)
         if commit and kv is not None and len(tokens) // self.page_size > state.committed_pages:
-            state.committed_pages = self._commit(tokens, kv, salt, None)
+            state.committed_pages = self._commit(tokens, kv, state.salt, None)
 
     # ---- tiers ---------------------------------------------------------------------------------
     def settle(self, timeout_s: float = 120.0) -> bool:
@@ -218,6 +251,7 @@ class PrefixCache:
         return self.tiered.stats()
 
     def close(self) -> None:
+        self._helper.shutdown(wait=True)
         self.tiered.close()
 
     def _tensor(self, tokens: list[int]) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """The generation loop for one request at a time: prefill (through the tiered cache), decode, finish.
 
 Owns ``Engine`` and ``Sequence``. ``Engine.prefill`` turns a request into a running sequence
-whose first token is already chosen (``PrefixCache`` in ``kvtier.engine.prefix`` decides what
-comes from the cache and what is recomputed); ``Engine.decode`` adds one token;
+whose first token is already chosen and sent (``PrefixCache`` in ``kvtier.engine.prefix``
+decides what comes from the cache and what is recomputed, and commits the prompt's pages once
+the first token is out); ``Engine.decode`` adds one token;
 ``Engine.finish`` commits the sequence's KV pages to the cache and releases what it pinned.
 The scheduler interleaves many sequences over these three calls. Engine thread only.
 """
@@ -51,16 +52,21 @@ class Engine:
         started = time.perf_counter()
         prompt = list(request.prompt_ids)
         report = PrefillReport(prompt_tokens=len(prompt), queue_s=started - handle.submitted_at)
-        if self.prefix_cache is not None:
-            kv, logits, state = self.prefix_cache.prefill(prompt, request.salt, report)
-        else:
+        if self.prefix_cache is None:
             kv = self.lm.new_cache()
             logits = self.lm.forward(self._tensor(prompt), kv)
             report.computed_tokens = len(prompt)
-            state = None
-        seq = Sequence(handle, kv, Sampler(request.sampling), prompt, report, state)
-        self._accept(seq, seq.sampler(logits))
-        report.prefill_s = time.perf_counter() - started
+            seq = Sequence(handle, kv, Sampler(request.sampling), list(prompt), report)
+            self._accept(seq, seq.sampler(logits))
+            report.prefill_s = time.perf_counter() - started
+            return seq
+        kv, logits, state = self.prefix_cache.prefill(prompt, request.salt, report)
+        try:
+            seq = Sequence(handle, kv, Sampler(request.sampling), list(prompt), report, state)
+            self._accept(seq, seq.sampler(logits))  # the first token goes out before the commit
+            report.prefill_s = time.perf_counter() - started
+        finally:
+            self.prefix_cache.commit_prompt(state, prompt, kv)
         return seq
 
     def decode(self, seq: Sequence) -> None:
@@ -85,7 +91,7 @@ class Engine:
         try:
             if self.prefix_cache is not None and seq.prefix_state is not None:
                 self.prefix_cache.finish(seq.prefix_state, seq.tokens[:-1], seq.kv,
-                                         seq.request.salt, commit=error is None)
+                                         commit=error is None)
         finally:
             seq.kv = None
             seq.handle._emit(FinishEvent(reason, seq.generated, seq.report,

@@ -5,7 +5,9 @@ Owns ``Scheduler``: ``submit`` (any thread) queues a request per tenant, refusin
 tenants (one tenant's burst cannot starve another's), runs up to ``max_running`` sequences at once
 and gives each a decode step in turn, so a long generation does not hold up short ones. Every
 submitted request ends with exactly one ``FinishEvent`` (done, cancelled, failed or shut down):
-none is lost. The cache's ``poll`` runs on this thread between steps.
+none is lost. The cache's ``poll`` runs on this thread between steps, and so do functions other
+threads hand over with ``call_soon`` (admin changes, stats snapshots). ``requests`` totals what
+finished requests used (tokens by tier, latencies) for ``/metrics``.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import threading
 from collections import OrderedDict, deque
 from typing import Any
 
+from kvtier.engine.engine_calls import EngineCalls
 from kvtier.engine.request import FinishEvent, RequestHandle
+from kvtier.engine.request_stats import RequestStats
 from kvtier.engine.runner import Engine, Sequence
 from kvtier.errors import CapacityError
 
@@ -45,6 +49,8 @@ class Scheduler:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.counters = {"submitted": 0, "finished": 0, "rejected": 0, "failed": 0, "cancelled": 0}
+        self.requests = RequestStats()
+        self.calls = EngineCalls(wake=self._wake)
 
     # ---- any thread ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -64,6 +70,14 @@ class Scheduler:
             self.counters["submitted"] += 1
             self._lock.notify()
         return handle
+
+    def call_soon(self, fn: Any) -> Any:
+        """Run ``fn()`` on the engine thread between two steps; returns a ``Future``."""
+        return self.calls.submit(fn)
+
+    def _wake(self) -> None:
+        with self._lock:
+            self._lock.notify()
 
     def stop(self, timeout: float = 30.0) -> None:
         with self._lock:
@@ -86,12 +100,14 @@ class Scheduler:
             self._drain()
 
     def _step(self) -> bool:
-        """One round: admit a request if there is room, then one decode step per sequence."""
+        """One round: handed-over calls, admit a request if there is room, then one decode
+        step per sequence."""
+        self.calls.run_pending()
         with self._lock:
             if self._stopping:
                 return False
             idle = not self._running and not self._queues
-            if idle:
+            if idle and not self.calls.waiting():
                 self._lock.wait(IDLE_POLL_S)
             room = len(self._running) < self.max_running
             handle = self._next_queued() if room and not idle else None
@@ -157,10 +173,14 @@ class Scheduler:
             if not seq.handle.done.is_set():
                 seq.handle._emit(FinishEvent("error", seq.generated, seq.report, "finish failed"))
         self._count(reason)
+        first = seq.handle.first_token_at
+        self.requests.observe(reason, seq.report, completion_tokens=seq.generated,
+                              ttft_s=None if first is None else first - seq.handle.submitted_at)
 
     def _end(self, handle: RequestHandle, event: FinishEvent) -> None:
         handle._emit(event)
         self._count(event.reason)
+        self.requests.observe(event.reason)
 
     def _count(self, reason: str) -> None:
         with self._lock:
@@ -177,6 +197,7 @@ class Scheduler:
 
     def _drain(self) -> None:
         """Shutdown: end every running and queued request with a finish event."""
+        self.calls.close()
         for seq in list(self._running):
             self._close(seq, "error", RuntimeError("the server is shutting down"))
         with self._lock:

@@ -168,9 +168,17 @@ class TtftRun:
             samples.by_tier.append(dict(report.cached_by_tier))
 
     def _warm(self, service: EngineService) -> None:
-        """Compile kernels and fill allocators before anything is timed."""
-        for n in (64, 1024):
-            ttft(service, self.tokens(n))
+        """Compile kernels, fill allocators and walk every load path once before timing."""
+        prompt = self.tokens(min(1024, max(self.plan.prefix_tokens)))
+        ttft(service, self.tokens(64))
+        ttft(service, prompt)
+        cache = service.prefix_cache
+        if cache is None:
+            return
+        for drop in (("device",), ("device", "host")):
+            cache.drop_tiers(drop)
+            ttft(service, prompt)
+        cache.settle()
 
     def steps(self) -> int:
         """How many progress steps ``run`` reports."""

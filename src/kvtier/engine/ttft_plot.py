@@ -22,7 +22,8 @@ def _series(rows: list[dict[str, Any]]) -> dict[str, list[tuple[int, dict[str, A
         out.setdefault(row["tier"], []).append((row["prefix_tokens"], row))
     for points in out.values():
         points.sort(key=lambda p: p[0])
-    return out
+    order = list(COLORS)
+    return dict(sorted(out.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else 99))
 
 
 def _label(tokens: int) -> str:

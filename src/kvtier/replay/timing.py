@@ -2,14 +2,17 @@
 
 Owns ``TimedPolicy``, which wraps any ``EvictionPolicy`` and accumulates wall time and call
 counts per method (``add``, ``remove``, ``touch``, ``pop_victim``, ``forget``), so a replay can
-report the cost of a policy per page operation beside LRU's. The proxy's own cost (two
-``perf_counter_ns`` reads per call) is measured once with an empty policy and subtracted.
+report the cost of a policy per page operation beside LRU's; the proxy's own cost (two
+``perf_counter_ns`` reads per call) is measured once with an empty policy and subtracted. And
+``RecordingPolicy`` + ``time_calls``: log the call stream a replay sends one policy, then re-run
+it on fresh policies and keep the best of several runs (steadier on a busy machine).
 Engine thread (the replay's main thread); no locking.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kvtier.index.eviction import EvictionPolicy, Node
@@ -90,3 +93,52 @@ def proxy_cost_ns(calls: int = 20000) -> float:
     for i in range(calls):
         probe.touch(i)
     return probe.nanos["touch"] / calls
+
+
+class RecordingPolicy(EvictionPolicy):
+    """Forwards every call to ``inner`` and logs it, so the same call stream can be re-run
+    against a fresh policy and timed without the index around it (``time_calls``)."""
+
+    def __init__(self, inner: EvictionPolicy) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.log: list[tuple[str, tuple[Any, ...]]] = []
+
+    def add(self, node: Node, pages: int) -> None:
+        self.log.append(("add", (node, pages)))
+        self.inner.add(node, pages)
+
+    def remove(self, node: Node) -> None:
+        self.log.append(("remove", (node,)))
+        self.inner.remove(node)
+
+    def touch(self, node: Node) -> None:
+        self.log.append(("touch", (node,)))
+        self.inner.touch(node)
+
+    def pop_victim(self) -> Node | None:
+        self.log.append(("pop_victim", ()))
+        return self.inner.pop_victim()
+
+    def forget(self, node: Node) -> None:
+        self.log.append(("forget", (node,)))
+        self.inner.forget(node)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+
+def time_calls(log: list[tuple[str, tuple[Any, ...]]], factory: Callable[[], EvictionPolicy],
+               repeats: int = 5) -> dict[str, float]:
+    """Re-run ``log`` on fresh policies from ``factory``; the best of ``repeats`` runs, as
+    microseconds per call and milliseconds in all."""
+    best = float("inf")
+    for _ in range(repeats):
+        policy = factory()
+        calls = [(getattr(policy, method), args) for method, args in log]
+        start = time.perf_counter_ns()
+        for call, args in calls:
+            call(*args)
+        best = min(best, time.perf_counter_ns() - start)
+    return {"calls": len(log), "us_per_call": best / 1e3 / max(len(log), 1),
+            "total_ms": best / 1e6}

@@ -18,12 +18,14 @@ from typing import Any
 
 from kvtier.config import KvtierConfig
 from kvtier.serve.errors import APIError, install_error_handlers
+from kvtier.serve.limits import install_limits
 
 log = logging.getLogger("kvtier.serve")
 
 #: Modules that contribute routes, each with ``build_router(service, config) -> APIRouter``.
 ROUTER_MODULES: tuple[str, ...] = (
     "kvtier.serve.openai_api",
+    "kvtier.serve.admin_api",
 )
 
 
@@ -66,6 +68,7 @@ def create_app(service: Any, config: KvtierConfig) -> Any:
     app.state.service = service
     app.state.config = config
     install_error_handlers(app)
+    install_limits(app, config)  # inside the guard: keyless requests take no in-flight slot
     app.middleware("http")(_guard(config))
 
     @app.get("/health")

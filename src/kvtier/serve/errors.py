@@ -49,7 +49,8 @@ def install_error_handlers(app: Any) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(_request: Any, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status,
+                            headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Any, exc: RequestValidationError) -> JSONResponse:

@@ -86,7 +86,10 @@ class FileStore(PageStore):
                            verify_payload=self.options.verify == "full")
         self.index = PageIndex(on_evict=self.readers.retire)
         self.journal = Journal(self.root)
-        self.open_seconds = self._load()
+        try:
+            self.open_seconds = self._load()
+        except OSError as exc:
+            raise StoreUnavailable(f"cannot load the index of {self.root}: {exc}") from None
         self.writer = SegmentWriter(self.segments_dir, self.layout,
                                     next_id=lambda: self.index.max_seg + 1,
                                     direct=self.options.direct)
@@ -279,15 +282,19 @@ class FileStore(PageStore):
 
     def resize(self, max_bytes: int | None, wait_s: float = 5.0) -> dict[str, Any]:
         """Set the cap on segment bytes now; a shrink evicts oldest segments (no reinsertion)
-        until the store fits, and returns when it does or ``wait_s`` ran out. Segments being
-        appended to are never victims (the current one is sealed, and goes once its writes
-        land); a read in progress keeps its descriptor and finishes on intact bytes."""
+        until the store fits, and returns when it does or ``wait_s`` ran out. Never a victim:
+        a segment being appended to (the current ones are sealed, and go once their writes
+        land) or one a read of this handle holds open (it goes once the read is done)."""
         self._check_open()
         self.options = dataclasses.replace(self.options, max_bytes=max_bytes)
         before = self.disk_usage()["segment_bytes"]
         deadline = time.monotonic() + wait_s
         while max_bytes is not None and self.disk_usage()["segment_bytes"] > max_bytes:
-            self.evictor.gc(max_bytes)
+            with self._lock:
+                order = self.index.oldest_segments()
+            idle = [seg for seg in order if not self.readers.pinned(seg)]
+            self.evictor.evict(lambda: self.disk_usage()["segment_bytes"] > max_bytes,
+                               reinsert=False, candidates=idle)
             if self.disk_usage()["segment_bytes"] <= max_bytes or time.monotonic() > deadline:
                 break
             self.writer.seal_all()

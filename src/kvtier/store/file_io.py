@@ -65,29 +65,51 @@ class RecordIO:
         (found, corrupt, IO errors). The hot path: one tight loop, two ``preadv`` per page."""
         if self.direct:
             return self.each(plans, keys, views, self.read)
-        layout = self.layout
-        stride, table, page_bytes = layout.header_stride, layout.table_bytes, layout.page_bytes
-        payload_stride = layout.payload_stride
-        verify, check_payload, preadv = layout.verify, self.verify_payload, os.preadv
         found = [False] * len(plans)
         corrupt = errors = 0
-        for i, plan in enumerate(plans):
-            if plan is None:
-                continue
-            fd, slot = plan
-            header = bytearray(stride)
-            view = views[i]
+        for first, last in _runs(plans):
             try:
-                ok = preadv(fd, [view], table + slot * payload_stride) == page_bytes and \
-                    preadv(fd, [header], slot * stride) == stride
+                if not self._read_run(plans, keys, views, first, last, found):
+                    raise OSError(errno.EIO, "short read")  # a file shorter than its slots
             except OSError:
-                errors += 1
+                try:  # again page by page, so that one bad slot fails only its own page
+                    sub = self.each(plans[first:last], keys[first:last], views[first:last],
+                                    self.read)
+                except OSError:
+                    errors += last - first
+                    continue
+                found[first:last] = sub[0]
+                corrupt += sub[1]
+                errors += sub[2]
                 continue
-            if ok and verify(header, keys[i], view, check_payload) is Verdict.OK:
-                found[i] = True
-            else:
-                corrupt += 1
+            corrupt += (last - first) - sum(found[first:last])
         return found, corrupt, errors
+
+    def _read_run(self, plans: Sequence[tuple[int, int] | None], keys: Sequence[bytes],
+                  views: Sequence[memoryview], first: int, last: int, found: list[bool]) -> bool:
+        """Read pages ``first..last`` (consecutive slots of one segment) with one ``preadv``
+        for their headers and one for their payloads; False on a short read."""
+        layout = self.layout
+        fd, slot0 = plans[first]  # type: ignore[misc]
+        count = last - first
+        stride, page_bytes = layout.header_stride, layout.page_bytes
+        headers = bytearray(count * stride)
+        if os.preadv(fd, [headers], slot0 * stride) != len(headers):
+            return False
+        iovecs: list[memoryview] = []
+        pad = layout.payload_stride - page_bytes
+        for i in range(first, last):
+            iovecs.append(views[i])
+            if pad and i + 1 < last:
+                iovecs.append(self._buffers()[0][:pad])
+        want = count * page_bytes + (count - 1) * pad
+        if _preadv_all(fd, iovecs, layout.payload_at(slot0)) != want:
+            return False
+        verify, check, heads = layout.verify, self.verify_payload, memoryview(headers)
+        for n, i in enumerate(range(first, last)):
+            header = heads[n * stride:(n + 1) * stride]
+            found[i] = verify(header, keys[i], views[i], check) is Verdict.OK
+        return True
 
     def each(self, plans: Sequence[tuple[int, int] | None], keys: Sequence[bytes],
              views: Sequence[memoryview],
@@ -216,3 +238,46 @@ def _pack(payload: memoryview, ranges: Sequence[ByteRange], out: memoryview) -> 
     for r in ranges:
         out[pos:pos + r.length] = payload[r.offset:r.end]
         pos += r.length
+
+
+#: Pages per coalesced read (each page is one iovec, two with padding; IOV_MAX is 1024).
+MAX_RUN = 256
+
+
+def _runs(plans: Sequence[tuple[int, int] | None]) -> list[tuple[int, int]]:
+    """Spans ``[first, last)`` of plans that name consecutive slots of one segment."""
+    runs: list[tuple[int, int]] = []
+    start = None
+    for i, plan in enumerate(plans):
+        if plan is None:
+            if start is not None:
+                runs.append((start, i))
+                start = None
+            continue
+        prev = plans[i - 1] if i else None
+        if start is not None and (prev is None or prev[0] != plan[0] or prev[1] + 1 != plan[1]
+                                  or i - start >= MAX_RUN):
+            runs.append((start, i))
+            start = None
+        if start is None:
+            start = i
+    if start is not None:
+        runs.append((start, len(plans)))
+    return runs
+
+
+def _preadv_all(fd: int, iovecs: list[memoryview], offset: int) -> int:
+    """``os.preadv`` that continues after a partial read; bytes read (short only at EOF)."""
+    total = want = sum(v.nbytes for v in iovecs)
+    got = os.preadv(fd, iovecs, offset)
+    while got and got < want:  # the kernel may stop early (e.g. across a readahead window)
+        done, rest = got, []
+        for v in iovecs:
+            if done >= v.nbytes:
+                done -= v.nbytes
+                continue
+            rest.append(v[done:])
+            done = 0
+        offset, want, iovecs = offset + got, want - got, rest
+        got = os.preadv(fd, iovecs, offset)
+    return total - want + got if got < want else total

@@ -29,7 +29,8 @@ from kvtier.keys import KEY_BYTES
 from kvtier.store.base import Buffer, PageStore, StoreCounters, StoreStats, readable_view, writable_view
 from kvtier.store.record import HEADER_BYTES, encode_header, payload_checksum
 from kvtier.store.redis_channel import Deadline
-from kvtier.store.redis_nodes import MOVED_KINDS, Endpoint, EndpointDown, open_router
+from kvtier.store.redis_endpoint import MOVED_KINDS, Endpoint, EndpointDown
+from kvtier.store.redis_nodes import open_router
 from kvtier.store.redis_ops import get_pages, glob_escape, per_key, server_info, set_pages
 from kvtier.store.redis_options import RedisOptions, parse_redis_url
 from kvtier.store.redis_wire import ServerError

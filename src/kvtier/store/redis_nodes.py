@@ -1,10 +1,8 @@
 """Where a Redis page store sends its commands: one server, or the primaries of a Redis Cluster.
 
-Owns ``Endpoint`` (one server: a redis-py connection pool plus a ``CircuitBreaker``; ``run``
-executes a unit of wire work on a pooled connection within the call's deadline and turns every
-failure into ``EndpointDown``), ``StandaloneRouter`` and ``ClusterRouter`` (split a batch of keys
-per server: by hash slot in a cluster, refreshing the slot map in the background after a MOVED
-reply), and ``open_router`` (builds either from the parsed URL). redis-py is imported here, lazily,
+Owns ``StandaloneRouter`` and ``ClusterRouter`` (split a batch of keys per server, an
+``Endpoint``: by hash slot in a cluster, refreshing the slot map in the background after a MOVED
+reply) and ``open_router`` (builds either from the parsed URL). redis-py is imported here, lazily,
 only when a Redis store is opened. Called from the IO worker threads that call the store; the
 topology refresh runs on a short-lived daemon thread that catches everything.
 """
@@ -14,90 +12,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 from kvtier.store.redis_breaker import CircuitBreaker
-from kvtier.store.redis_channel import Channel, Deadline
+from kvtier.store.redis_endpoint import Endpoint
 from kvtier.store.redis_options import RedisOptions
-from kvtier.store.redis_wire import ReplyReader, connection_socket
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-Work = Callable[[Channel, ReplyReader], T]
-
-#: Error replies that mean the server cannot serve now (the whole call fails, the breaker counts).
-UNAVAILABLE_KINDS = frozenset({"LOADING", "BUSY", "NOAUTH", "WRONGPASS", "NOPERM", "MASTERDOWN",
-                               "CLUSTERDOWN", "TRYAGAIN", "READONLY"})
-#: Error replies that mean the cluster's slot map changed under us.
-MOVED_KINDS = frozenset({"MOVED", "ASK"})
-
-
-class EndpointDown(Exception):
-    """A call to one server failed (breaker open, unreachable, too slow, or not ready)."""
-
-    def __init__(self, endpoint: str, reason: str, cause: BaseException | None = None) -> None:
-        super().__init__(f"redis {endpoint}: {reason}")
-        self.endpoint = endpoint
-        self.cause = cause
-
-
-class Endpoint:
-    """One Redis server: its connection pool and its circuit breaker."""
-
-    def __init__(self, name: str, pool: Any, breaker: CircuitBreaker) -> None:
-        self.name = name
-        self.pool = pool
-        self.breaker = breaker
-
-    def run(self, work: Work[T], deadline: Deadline) -> T:
-        """``work(channel, reader)`` on a pooled connection; raises ``EndpointDown`` on failure."""
-        if not self.breaker.allow():
-            raise EndpointDown(self.name, "circuit open (recent failures)")
-        try:
-            result = self._attempt_with_one_retry(work, deadline)
-        except Exception as exc:
-            if self.breaker.record_failure():
-                log.warning("redis %s: circuit opened after %s", self.name, exc)
-                self.pool.disconnect(inuse_connections=False)
-            raise EndpointDown(self.name, f"{type(exc).__name__}: {exc}", exc) from exc
-        self.breaker.record_success()
-        return result
-
-    def probe(self, work: Work[T], deadline: Deadline) -> T:
-        """``work`` on a fresh pooled connection, bypassing the breaker; raises what it raised."""
-        return self._attempt(work, deadline)
-
-    def _attempt_with_one_retry(self, work: Work[T], deadline: Deadline) -> T:
-        from redis.exceptions import AuthenticationError
-        from redis.exceptions import ConnectionError as RedisConnectionError
-
-        try:
-            return self._attempt(work, deadline)
-        except AuthenticationError:
-            raise
-        except (RedisConnectionError, ConnectionError):
-            # A pooled connection may predate a server restart: one retry on a fresh one.
-            deadline.remaining()
-            return self._attempt(work, deadline)
-
-    def _attempt(self, work: Work[T], deadline: Deadline) -> T:
-        deadline.remaining()
-        conn = self.pool.get_connection()
-        channel: Channel | None = None
-        try:
-            channel = Channel(connection_socket(conn), deadline)
-            reader = ReplyReader(channel)
-            result = work(channel, reader)
-            reader.finish()
-            return result
-        except BaseException:
-            conn.disconnect()
-            raise
-        finally:
-            if channel is not None:
-                channel.release()
-            self.pool.release(conn)
-
 
 class StandaloneRouter:
     """Every key goes to the one server."""
@@ -115,7 +36,7 @@ class StandaloneRouter:
         """A MOVED reply from a standalone server: nothing to refresh."""
 
     def close(self) -> None:
-        self._endpoint.pool.disconnect()
+        self._endpoint.close()
 
 
 class ClusterRouter:
@@ -179,6 +100,10 @@ class ClusterRouter:
                 self._refreshing = False
 
     def close(self) -> None:
+        with self._lock:
+            endpoints = list(self._endpoints.values())
+        for endpoint in endpoints:
+            endpoint.close()
         self._client.close()
 
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvtier.store.redis_channel import Channel
-from kvtier.store.redis_nodes import UNAVAILABLE_KINDS
+from kvtier.store.redis_endpoint import UNAVAILABLE_KINDS
 from kvtier.store.redis_wire import ReplyReader, ServerError, pack, pack_key_command
 
 

@@ -58,6 +58,12 @@ class SegmentReaders:
             if slot[1] == 0 and seg in self._retired:
                 os.close(self._fds.pop(seg)[0])
 
+    def pinned(self, seg: int) -> bool:
+        """True while a read of this handle holds segment ``seg`` open."""
+        with self._lock:
+            slot = self._fds.get(seg)
+            return slot is not None and slot[1] > 0
+
     def retire(self, seg: int) -> None:
         """The segment was evicted: close its descriptor once no read holds it."""
         with self._lock:
@@ -175,6 +181,8 @@ class SegmentWriter:
         is sealed now, or by ``release`` once the writes in it land."""
         with self._lock:
             for active in list(self._current.values()):
+                if active.seg not in self._open:
+                    continue  # filled and sealed already
                 active.full = True
                 if active.in_flight == 0:
                     self._seal(active)

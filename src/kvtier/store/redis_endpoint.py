@@ -1,0 +1,152 @@
+"""One Redis server as the page store sees it: connections, circuit breaker, deadline-bound calls.
+
+Owns ``Endpoint``: ``run(work, deadline)`` executes a unit of wire work (``redis_ops``) on one of
+the server's connections and turns every failure into ``EndpointDown`` (counted by the breaker;
+one retry on a fresh connection when a kept one turns out dead, e.g. after a restart). The
+endpoint keeps the connections it took from redis-py's pool on a shelf of its own, because a
+pool checkout costs tens of microseconds per call; a kept connection is checked for a closed
+or dirty socket (one zero-timeout poll) before each use and reconnected when needed, and every
+kept connection is dropped when the breaker opens. Also owns the reply kinds that mean "server
+unavailable" and "slot moved". Called from the IO worker threads that call the store.
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from kvtier.store.redis_breaker import CircuitBreaker
+from kvtier.store.redis_channel import Channel, Deadline
+from kvtier.store.redis_wire import ReplyReader, connection_socket
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+Work = Callable[[Channel, ReplyReader], T]
+
+#: Error replies that mean the server cannot serve now (the whole call fails, the breaker counts).
+UNAVAILABLE_KINDS = frozenset({"LOADING", "BUSY", "NOAUTH", "WRONGPASS", "NOPERM", "MASTERDOWN",
+                               "CLUSTERDOWN", "TRYAGAIN", "READONLY"})
+#: Error replies that mean the cluster's slot map changed under us.
+MOVED_KINDS = frozenset({"MOVED", "ASK"})
+
+
+class EndpointDown(Exception):
+    """A call to one server failed (breaker open, unreachable, too slow, or not ready)."""
+
+    def __init__(self, endpoint: str, reason: str, cause: BaseException | None = None) -> None:
+        super().__init__(f"redis {endpoint}: {reason}")
+        self.endpoint = endpoint
+        self.cause = cause
+
+
+def _socket_dirty(conn: Any) -> bool:
+    """True if an idle connection's socket is readable: the server closed it, or sent data
+    nobody asked for. Either way it must be reconnected before use."""
+    sock = getattr(conn, "_sock", None)
+    if sock is None:
+        return True
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+    return bool(poller.poll(0))
+
+
+class Endpoint:
+    """One Redis server: its connection pool, the connections kept from it, its breaker."""
+
+    def __init__(self, name: str, pool: Any, breaker: CircuitBreaker) -> None:
+        self.name = name
+        self.pool = pool
+        self.breaker = breaker
+        self._lock = threading.Lock()
+        self._shelf: list[Any] = []   # idle connections taken from the pool
+        self._closed = False
+
+    def run(self, work: Work[T], deadline: Deadline) -> T:
+        """``work(channel, reader)`` on a connection; raises ``EndpointDown`` on failure."""
+        if not self.breaker.allow():
+            raise EndpointDown(self.name, "circuit open (recent failures)")
+        try:
+            result = self._attempt_with_one_retry(work, deadline)
+        except Exception as exc:
+            if self.breaker.record_failure():
+                log.warning("redis %s: circuit opened after %s", self.name, exc)
+                self._drop_idle()
+            raise EndpointDown(self.name, f"{type(exc).__name__}: {exc}", exc) from exc
+        self.breaker.record_success()
+        return result
+
+    def probe(self, work: Work[T], deadline: Deadline) -> T:
+        """``work`` on a connection, bypassing the breaker; raises what it raised."""
+        return self._attempt(work, deadline)
+
+    def _attempt_with_one_retry(self, work: Work[T], deadline: Deadline) -> T:
+        from redis.exceptions import AuthenticationError
+        from redis.exceptions import ConnectionError as RedisConnectionError
+
+        try:
+            return self._attempt(work, deadline)
+        except AuthenticationError:
+            raise
+        except (RedisConnectionError, ConnectionError):
+            # A kept connection may predate a server restart: one retry on a fresh one.
+            self._drop_idle()
+            deadline.remaining()
+            return self._attempt(work, deadline)
+
+    def _attempt(self, work: Work[T], deadline: Deadline) -> T:
+        deadline.remaining()
+        conn = self._checkout()
+        channel: Channel | None = None
+        healthy = False
+        try:
+            channel = Channel(connection_socket(conn), deadline)
+            reader = ReplyReader(channel)
+            result = work(channel, reader)
+            reader.finish()
+            healthy = True
+            return result
+        finally:
+            if channel is not None:
+                channel.release()
+            self._checkin(conn, healthy)
+
+    # ---- the shelf of kept connections -------------------------------------------------
+    def _checkout(self) -> Any:
+        with self._lock:
+            conn = self._shelf.pop() if self._shelf else None
+        if conn is None:
+            return self.pool.get_connection()  # connected, counted against max_connections
+        try:
+            if _socket_dirty(conn):
+                conn.disconnect()
+                conn.connect()
+        except BaseException:
+            self._checkin(conn, False)
+            raise
+        return conn
+
+    def _checkin(self, conn: Any, healthy: bool) -> None:
+        if not healthy:
+            conn.disconnect()  # reconnects on its next checkout
+        with self._lock:
+            if not self._closed:
+                self._shelf.append(conn)
+                return
+        self.pool.release(conn)
+
+    def _drop_idle(self) -> None:
+        with self._lock:
+            idle = list(self._shelf)
+        for conn in idle:
+            conn.disconnect()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._shelf = self._shelf, []
+        for conn in idle:
+            self.pool.release(conn)
+        self.pool.disconnect()
