@@ -25,8 +25,10 @@ $(VENV_SGLANG)/.installed: scripts/setup_sglang_env.sh pyproject.toml
 	PYTHON=$(PYTHON) bash scripts/setup_sglang_env.sh $(VENV_SGLANG) \
 		|| echo "warning: $(VENV_SGLANG) could not be built; the SGLang plug-in tests will skip"
 
+# Serves the OpenAI API on the embedded tiny model, disk tier under ./data/disk; it prints how to
+# call it (curl and the openai client) before it starts listening. Ctrl-C stops it.
 run: install
-	$(BIN)/kvtier info --disk file://$(CURDIR)/data/disk
+	$(BIN)/kvtier serve --disk file://$(CURDIR)/data/disk
 
 lint: install
 	$(BIN)/ruff check src tests benchmarks

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import shutil
 import socket
 import statistics
@@ -134,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="write OUT.json and OUT.txt")
     args = parser.parse_args(argv)
     working_set = parse_size(args.working_set) or 128 << 20
+    load_start = os.getloadavg()
     with contextlib.ExitStack() as stack:
         url = args.url or stack.enter_context(own_server())
         runs = []
@@ -149,12 +151,15 @@ def main(argv: list[str] | None = None) -> int:
     table = format_table(["value_bytes", "batch", "buffers", "kvtier_SET_GB/s", "rb_SET_GB/s", "SET_ratio",
                           "kvtier_GET_GB/s", "rb_GET_GB/s", "GET_ratio", "redis-py_SET_GB/s",
                           "redis-py_GET_GB/s"], rows)
+    load = [round(x, 2) for x in (*load_start, *os.getloadavg())]
     note = (f"medians of {args.rounds} interleaved rounds, 1 connection each side; rb = "
-            "redis-benchmark (-c 1, -P batch, -r pages) at the same value size")
+            "redis-benchmark (-c 1, -P batch, -r pages) at the same value size; load average "
+            f"(1/5/15 min) {load[:3]} at start, {load[3:]} at end")
     print(table)
     print(note)
     if args.out:
-        write_report(f"{args.out}.json", "redis_store", {"note": note, "runs": runs})
+        write_report(f"{args.out}.json", "redis_store", {"note": note, "load_avg": load,
+                                                          "runs": runs})
         with open(f"{args.out}.txt", "w") as fh:
             fh.write(table + "\n" + note + "\n")
     return 0

@@ -128,3 +128,18 @@ def test_hanging_store_neither_blocks_requests_nor_leaks_pages() -> None:
         assert cache.stats()["outside_index"]["host"] == 0
         assert cache.stats()["tiers"]["host"]["pages"] == 0
         cache.check_integrity()
+
+
+def test_a_released_hit_gives_back_its_early_prefetch() -> None:
+    tokens = prompt(8, seed=6)
+    with make_cache(stores={"disk": LatencyStore(seeded_disk(tokens), per_page_s=0.01)}) as cache:
+        hit = cache.match(tokens)
+        cache.prefetch(hit)
+        started = time.monotonic()
+        assert cache.drain(5.0)  # the held job ends; draining does not wait for the hit
+        assert time.monotonic() - started < 2.0
+        assert cache.stats()["outside_index"]["host"] == 8  # still reserved for the hit
+        cache.release(hit)
+        assert cache.stats()["outside_index"]["host"] == 0
+        assert cache.stats()["tiers"]["host"]["free"] == 64
+        cache.check_integrity()

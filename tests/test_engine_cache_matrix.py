@@ -9,11 +9,11 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from redis_server import REDIS_SERVER, running_server
-from test_engine_support import make_config, tiny_lm
 
 from kvtier.engine.prefix import PrefixCache
 from kvtier.engine.request import PrefillReport
+from redis_server import REDIS_SERVER, running_server
+from test_engine_support import make_config, tiny_lm
 
 NEW_TOKENS = 6
 TOLERANCE = 1e-5

@@ -7,12 +7,12 @@ import random
 
 import pytest
 import torch
-from test_engine_cache_matrix import build, reference, through
-from test_engine_support import make_config, tiny_lm
 
 from kvtier.engine.prefix import PrefixCache, _attribute
 from kvtier.engine.request import GenerationRequest
 from kvtier.engine.service import EngineService
+from test_engine_cache_matrix import build, reference, through
+from test_engine_support import make_config, tiny_lm
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -85,9 +85,22 @@ def test_split_modes_recompute_or_load_the_whole_hit(cache):
         cache.split = "sometimes"
 
 
+def test_a_hit_held_in_ram_is_loaded_whole_whatever_the_rates(cache):
+    prompt = _prompt(70, 8)
+    through(cache, prompt)
+    cache.drop_tiers(("device",))
+    rates = cache.tiered.controller.rates
+    rates.rates["host"] = (cache.lm.kv_layout(16).bytes_per_token * 100.0, 0.0)
+    rates.prefill_tokens_per_s = 1e6  # recomputing would look far cheaper
+    report = through(cache, prompt).report
+    assert report.recomputed_hit_tokens == 0 and report.cached_by_tier["host"] == 64
+
+
 def test_cold_prefills_teach_the_planner_the_prefill_rate(cache):
     assert cache.stats()["rates"]["prefill_tokens_per_s"] is None
-    through(cache, _prompt(40, 6))
+    through(cache, _prompt(40, 6))  # too short to say anything about the rate
+    assert cache.stats()["rates"]["prefill_tokens_per_s"] is None
+    through(cache, _prompt(300, 9))
     assert cache.stats()["rates"]["prefill_tokens_per_s"] > 0
 
 

@@ -110,6 +110,24 @@ def test_a_rank_whose_store_fails_still_makes_every_call() -> None:
         cache.close()
 
 
+def test_a_rank_whose_load_raises_locally_still_makes_every_call() -> None:
+    caches = two_caches()
+    for cache in caches:
+        serve_local(cache, TOKENS)
+
+    def broken_prepare(*args: Any) -> None:
+        raise RuntimeError("local bug while preparing the load")
+
+    caches[1].controller.loader._prepare = broken_prepare  # type: ignore[method-assign]
+    results = run_ranks(caches, match_and_load)
+    assert [loaded.tokens for _, loaded, _ in results] == [0, 0]
+    assert [calls for _, _, calls in results] == [MATCH_CALLS + LOAD_CALLS] * 2
+    assert caches[1].stats()["counters"]["load_errors_total"] == 1
+    for cache in caches:
+        cache.check_integrity()
+        cache.close()
+
+
 def test_an_empty_cache_rank_and_a_full_one_make_the_same_calls() -> None:
     caches = two_caches()
     serve_local(caches[0], TOKENS)

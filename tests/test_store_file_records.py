@@ -224,3 +224,26 @@ def test_batch_of_consecutive_pages_fails_only_the_damaged_one(tmp_path: Path) -
     found = store.read_into([key_for(i) for i in range(6)], out)
     assert found == [True, True, False, True, False, False]
     store.close()
+
+
+def test_long_journal_replays_in_order_with_deletes_overwrites_and_bad_entries(
+        tmp_path: Path) -> None:
+    store = _open(tmp_path)
+    for start in range(0, 200, 10):  # 200 puts in 20 appends
+        _fill(store, range(start, start + 10))
+    store.delete([key_for(i) for i in range(50, 60)])
+    assert store.write([key_for(7)], [page_bytes_for(1007, PAGE)]) == [True]  # overwrite
+    _fill(store, range(55, 57))  # put back after the delete
+    store.close()
+    journal = tmp_path / "journal.0"
+    data = bytearray(journal.read_bytes())
+    data[64 * 120 + 3] ^= 0xFF  # damage the put of page 120
+    journal.write_bytes(bytes(data))
+    reopened = _open(tmp_path)
+    expected = set(range(200)) - set(range(50, 60)) - {120} | {55, 56}
+    present = reopened.contains([key_for(i) for i in range(200)])
+    assert {i for i, p in enumerate(present) if p} == expected
+    assert _read(reopened, 7) == page_bytes_for(1007, PAGE)
+    assert _read(reopened, 56) == page_bytes_for(56, PAGE)
+    assert reopened.journal.bad_entries == 1
+    reopened.close()

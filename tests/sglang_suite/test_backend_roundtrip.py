@@ -80,3 +80,21 @@ def test_single_page_get_and_set(backends, disk_url):
     assert page is not None and torch.equal(page.view(torch.int16),
                                             pool.get_data_page(0, flat=True).view(torch.int16))
     assert backend.get("k1", pool.get_dummy_flat_data_page()) is None
+
+
+@pytest.mark.parametrize("interface_v1", [1, 0])
+def test_pool_of_unknown_format_round_trips_as_opaque_pages(backends, disk_url, interface_v1):
+    pool = make_pool("mha", "page_first", dtype=torch.int16)  # a dtype kvtier has no layout for
+    backend = backends(pool, disk_url, interface_v1=interface_v1)
+    assert backend.describe()["kind"] == "opaque"
+    fill_random(pool, seed=5)
+    keys = names(3, tag="o")
+    expected = [page_bytes(pool, p) for p in (0, 1, 2)]
+    if interface_v1:
+        assert backend.batch_set_v1(keys, page_slots(pool, [0, 1, 2])) == [True] * 3
+    else:
+        flats = [pool.get_data_page(p * pool.page_size, flat=True) for p in (0, 1, 2)]
+        assert backend.batch_set(keys, flats) is True
+    pool.kv_buffer.zero_()
+    assert backend.batch_get_v1(keys, page_slots(pool, [6, 7, 8])) == [True] * 3
+    assert [page_bytes(pool, p) for p in (6, 7, 8)] == expected

@@ -68,9 +68,23 @@ def load_trace(args: argparse.Namespace) -> Any:
     return read_trace(args.trace or DEFAULT_TRACE, args.block_tokens, args.limit)
 
 
-def progress_bar(total: int, label: str, enabled: bool) -> Any:
-    from tqdm import tqdm
+class _NoBar:
+    def __enter__(self) -> _NoBar:
+        return self
 
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def update(self, n: int = 1) -> None:
+        return None
+
+
+def progress_bar(total: int, label: str, enabled: bool) -> Any:
+    """A tqdm bar on stderr (a silent stand-in when disabled or tqdm is not installed)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar()
     return tqdm(total=total, desc=label, unit="req", leave=False, disable=not enabled,
                 file=sys.stderr, mininterval=0.5)
 

@@ -35,6 +35,10 @@ def register(subparsers: Any) -> None:
                         help="New tokens after the cached prefix in each request.")
     parser.add_argument("--json", metavar="OUT", help="Write results as JSON (and OUT.txt).")
     parser.add_argument("--plot", metavar="PNG", help="Write the plot here.")
+    parser.add_argument("--cold-disk", choices=("fadvise", "drop_caches"), default="fadvise",
+                        help="How disk hits are made cold: evict the store's files from the page "
+                             "cache (fadvise), or drop the whole machine's page cache (root; only "
+                             "on a machine of the benchmark's own) [default: fadvise].")
     parser.add_argument("--no-progress", action="store_true", help="No progress bar.")
     add_config_flags(parser)
     parser.set_defaults(handler=run)
@@ -53,7 +57,7 @@ def _plan(args: argparse.Namespace, config: Any, scratch: Path) -> Any:
     lengths = tuple(int(n) for n in args.prefix_tokens.split(","))
     disk_url = config.store.disk_url or f"file://{scratch}/disk"
     return TtftPlan(lengths, tiers, args.repeats, args.suffix_tokens, config.engine.seed,
-                    disk_url, config.store.remote_url)
+                    disk_url, config.store.remote_url, args.cold_disk == "drop_caches")
 
 
 def goals(summary: dict[str, Any]) -> list[dict[str, Any]]:
@@ -117,15 +121,19 @@ def run(args: argparse.Namespace) -> int:
         plan = _plan(args, config, scratch)
         lm = load_model(config.engine.model, device=config.engine.device,
                         dtype=config.engine.dtype, seed=config.engine.seed)
-        bar = None
         bench = TtftRun(config, lm, plan)
         bar = _progress(bench.steps(), not args.no_progress)
         if bar is not None:
             bench.progress = lambda label: (bar.set_postfix_str(label), bar.update(1))
-        bench.run()
+        interrupted = False
+        try:
+            bench.run()
+        except KeyboardInterrupt:  # keep what was measured (SIGINT, e.g. from `timeout -s INT`)
+            interrupted = True
         if bar is not None:
             bar.close()
         summary = summarize(bench)
+        summary["interrupted"] = interrupted
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     summary["goals"] = goals(summary)
@@ -134,7 +142,9 @@ def run(args: argparse.Namespace) -> int:
                         "suffix_tokens": plan.suffix_tokens, "tiers": list(plan.tiers),
                         "prefix_tokens": list(plan.prefix_tokens),
                         "host_pool_bytes": config.host.pool_bytes,
-                        "disk": bool(plan.disk_url), "fingerprint": lm.fingerprint}
+                        "cold_disk": args.cold_disk,
+                        "prefetch_policy": config.controller.prefetch_policy,
+                        "fingerprint": lm.fingerprint}
     text = table(summary)
     print(text)
     _write(args, summary, text)

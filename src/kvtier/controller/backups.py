@@ -108,7 +108,7 @@ class Backups:
         ctx = self.ctx
         task = self.tasks.pop(job.id)
         if job.written:
-            ctx.index.insert(task.data, None, tier=job.tier, start=task.lo,
+            ctx.index.insert(task.data, task.keys, tier=job.tier, start=task.lo,
                              stop=task.lo + job.written, salt=task.salt, strict=False)
         ctx.unlock(task.host_node, "host")
         ctx.admission.release(task.op_id, "ack" if job.outcome == "completed" else "failure")

@@ -8,7 +8,7 @@ an index node's path. Engine thread only; holds no tensors itself.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +18,8 @@ from kvtier.index.radix import RadixIndex
 from kvtier.index.residency import Node
 from kvtier.keys import KeyNamespace, PageKey, chain_keys
 from kvtier.store.base import PageStore
+
+RECENT_KEYS = 16  # prompts whose page keys are kept (match hashes them, commit reuses them)
 
 
 @dataclass
@@ -36,6 +38,8 @@ class CacheContext:
     counters: Counter[str] = field(default_factory=Counter)
     rates: Any = None              # RateBook: tier read rates, prefill rate
     host_outside: int = 0          # host pages held by jobs and copies, not by the index
+    recent_keys: OrderedDict[tuple[bytes, bytes], list[PageKey]] = field(
+        default_factory=OrderedDict)
 
     @property
     def page_size(self) -> int:
@@ -50,15 +54,27 @@ class CacheContext:
         return self.host_pool is not None and self.host_pool.num_pages > 0
 
     def keys(self, match: IndexMatch, stop: int) -> list[PageKey]:
-        """Keys of prefix pages ``[0, stop)``: the index's for matched pages, hashed beyond."""
+        """Keys of prefix pages ``[0, stop)``: the index's for matched pages, hashed beyond.
+
+        Keys depend only on the tokens and the salt, so the last few prompts' keys are kept:
+        a request hashes its unindexed pages once, not at match and again at commit.
+        """
         known = min(match.pages, stop)
+        if stop <= known:
+            return match.keys(0, stop)
+        memo = (match.salt, match.data)
+        cached = self.recent_keys.get(memo)
+        if cached is not None and len(cached) >= stop:
+            self.recent_keys.move_to_end(memo)
+            return cached[:stop]
         out = match.keys(0, known)
-        if stop > known:
-            seed = match.last_key() if known else None
-            if seed is None:
-                seed = self.namespace.seed(match.salt)
-            out += chain_keys(match.data[known * self.step:stop * self.step], self.page_size,
-                              seed)
+        seed = match.last_key() if known else None
+        if seed is None:
+            seed = self.namespace.seed(match.salt)
+        out += chain_keys(match.data[known * self.step:stop * self.step], self.page_size, seed)
+        self.recent_keys[memo] = out
+        while len(self.recent_keys) > RECENT_KEYS:
+            self.recent_keys.popitem(last=False)
         return out
 
     def lock(self, data: bytes, salt: bytes, pages: int, tier: str) -> Node | None:

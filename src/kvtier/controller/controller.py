@@ -174,7 +174,7 @@ class CacheController:
         while True:
             self.poll()
             workers = self.ctx.workers
-            busy = workers is not None and (not workers.idle() or self.prefetcher.tasks
+            busy = workers is not None and (not workers.idle() or self.prefetcher.busy()
                                             or self.backups.busy())
             if not busy and not self.backups.deferred:
                 return True
@@ -190,7 +190,8 @@ class CacheController:
         return dropped
 
     def outstanding(self) -> dict[str, int]:
-        private = sum(len(loaded._private) for loaded in set(self.private_owner.values()))
+        owners = {id(x): x for x in self.private_owner.values()}.values()
+        private = sum(len(loaded._private) for loaded in owners)
         return {"device": len(self.engine_pages) + private, "host": self.ctx.host_outside}
 
     def check_integrity(self) -> None:
@@ -199,5 +200,9 @@ class CacheController:
         ctx.device_pool.allocator.check_integrity()
         if ctx.has_host:
             ctx.host_pool.allocator.check_integrity()
-        if len(self.private_owner) != sum(len(x._private) for x in set(self.private_owner.values())):
+        owners = {id(x): x for x in self.private_owner.values()}.values()
+        if len(self.private_owner) != sum(len(x._private) for x in owners):
             raise AssertionError("private device page ledger out of step")
+        for node in ctx.index.iter_nodes():
+            if not node.keys:
+                raise AssertionError(f"{node!r} has no page keys")

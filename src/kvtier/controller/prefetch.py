@@ -143,6 +143,11 @@ class Prefetcher:
         self.ctx.count("prefetch_served_pages_total", pages)
         return ids
 
+    def busy(self) -> bool:
+        """Whether a prefetch job is still running (held tasks that ended do not count)."""
+        return any(not task.job.is_done() or not task.ended and not task.held
+                   for task in self.tasks.values())
+
     def owns(self, job: object) -> bool:
         return getattr(job, "id", None) in self.tasks
 
@@ -190,7 +195,7 @@ class Prefetcher:
         for tier, a, b in (("disk", lo, min(task.disk_end, lo + len(host_ids))),
                            ("remote", max(lo, task.disk_end), lo + len(host_ids))):
             if a < b and tier in self.ctx.stores:
-                index.insert(task.data, None, tier=tier, start=a, stop=b, salt=task.salt,
+                index.insert(task.data, task.keys, tier=tier, start=a, stop=b, salt=task.salt,
                              strict=False)
         return result.taken
 

@@ -3,11 +3,12 @@
 Owns ``PrefixCache``, the engine's side of ``kvtier.cache.TieredCache``. For each prompt:
 
 1. ``match`` the prompt's full pages; the hit may sit on any tier (device, host, disk, remote).
-2. Split the hit (``plan_split``, the planner's cost model): recompute its head while the tail
-   loads, so both finish together. On CUDA the recompute runs on a side stream, queued before
-   the load starts, so the GPU computes while the disk reads and the copy engine copies (on the
-   CPU it runs on a helper thread while the IO workers read); with ``split="load"`` nothing is
-   recomputed, with ``split="recompute"`` nothing is loaded.
+2. Split the hit (``plan_split``, the planner's cost model) when part of it comes from a store
+   (disk, remote): recompute its head while the tail loads, so both finish together. On CUDA
+   the recompute is queued before the load starts, so the GPU computes while the IO workers
+   read the store (on the CPU it runs on a helper thread meanwhile). A hit held in RAM (device,
+   host) is loaded whole: loading wins outright there. ``split="load"`` never recomputes,
+   ``split="recompute"`` never loads.
 3. ``load`` the tail to device pages (pinned by the returned ``Loaded``) and append their KV to
    the model's cache after the recomputed head.
 4. Prefill the remaining tokens (at least one: the last position's logits choose the first
@@ -37,6 +38,9 @@ from kvtier.engine.request import TIERS, PrefillReport
 from kvtier.keys import KeyNamespace
 
 SPLITS = ("plan", "load", "recompute")
+STORE_TIERS = ("disk", "remote")
+#: Shorter cold prefills are not reported to the planner: fixed per-call costs dominate them.
+MIN_OBSERVED_PREFILL_TOKENS = 256
 
 
 @dataclass
@@ -61,7 +65,6 @@ class PrefixCache:
         layout = lm.kv_layout(self.page_size)
         kv_pages.check_pool(tiered.device_pool.kv, layout.num_layers, layout.num_kv_heads,
                             layout.head_dim, lm.dtype)
-        self._side = torch.cuda.Stream(lm.device) if lm.device.type == "cuda" else None
         self._helper = ThreadPoolExecutor(1, thread_name_prefix="kvtier-recompute")
 
     @classmethod
@@ -114,7 +117,7 @@ class PrefixCache:
                 reused, past = reused - (past - len(prompt) + 1), len(prompt) - 1
             logits = self.lm.forward(self._tensor(prompt[past:]), kv)
             self._account(report, hit, head, reused, len(prompt) - past)
-            if reused == 0 and head == 0:
+            if reused == 0 and head == 0 and len(prompt) >= MIN_OBSERVED_PREFILL_TOKENS:
                 self._observe(len(prompt), started)
         except BaseException:
             self.release(state)
@@ -140,36 +143,28 @@ class PrefixCache:
             return 0
         if self._split == "recompute":
             return hit.tokens
+        if not any(hit.tokens_by_tier.get(tier, 0) for tier in STORE_TIERS):
+            return 0  # from RAM loading wins outright, and the copy kernels share the GPU's SMs
         planned = int(self.tiered.plan_split(hit))
         return max(0, min(planned - planned % self.page_size, hit.tokens))
 
     def _start_recompute(self, head: list[int], kv: Any) -> Callable[[], None]:
         """Start running the head of the hit so that it overlaps the load that follows; returns
-        the call that waits for it. On CUDA the forward is queued on a side stream (the copy
-        engine's load is not made to wait for it); on the CPU it runs on a helper thread while
-        this thread waits for the IO workers."""
+        the call that waits for it. On CUDA the forward is only queued here (kernel launches
+        return at once), so the GPU computes while the IO workers read the store; the copy
+        engine's host -> device copy then waits for it on the device. On the CPU the forward
+        runs on a helper thread while this thread waits for the IO workers."""
         if not head:
             return lambda: None
         tokens = self._tensor(head)
-        if self._side is None:
-            future = self._helper.submit(self.lm.forward, tokens, kv)
-
-            def wait() -> None:
-                future.result()
-            return wait
-        self._side.wait_stream(torch.cuda.current_stream(self.lm.device))
-        with torch.cuda.stream(self._side):
+        if self.lm.device.type == "cuda":
             self.lm.forward(tokens, kv)
-        return lambda: self._join_side_stream(kv)
+            return lambda: None
+        future = self._helper.submit(self.lm.forward, tokens, kv)
 
-    def _join_side_stream(self, kv: Any) -> None:
-        assert self._side is not None
-        current = torch.cuda.current_stream(self.lm.device)
-        current.wait_stream(self._side)
-        for layer in getattr(kv, "layers", []):
-            for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-                if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
-                    tensor.record_stream(current)
+        def wait() -> None:
+            future.result()
+        return wait
 
     def _usable_span(self, loaded: Any, head: int) -> tuple[int, int, list[int]] | None:
         """(first token, end token, device pages) of the loaded KV that continues the head."""

@@ -55,6 +55,7 @@ class TtftPlan:
     seed: int = 0
     disk_url: str = ""
     redis_url: str = ""
+    whole_machine_drop: bool = False   # cold disk: drop the machine's page cache (root)
 
 
 @dataclass
@@ -89,6 +90,7 @@ class TtftRun:
         self.vocab = min(int(lm.config.vocab_size), 32000)
         self.samples: dict[tuple[str, int], Samples] = {}
         self.miss: dict[int, Samples] = {}
+        self.cache_rates: dict[str, Any] = {}   # group -> the rates the planner ended with
 
     def tokens(self, n: int) -> list[int]:
         return [self.rng.randrange(16, self.vocab) for _ in range(n)]
@@ -123,6 +125,8 @@ class TtftRun:
                 for _ in range(self.plan.repeats):
                     self._one_prefix(baseline, service, tiers, length)
         finally:
+            if service.prefix_cache is not None:
+                self.cache_rates[group] = service.prefix_cache.stats().get("rates")
             service.close()
 
     def _one_prefix(self, baseline: EngineService, service: EngineService, tiers: list[str],
@@ -140,7 +144,7 @@ class TtftRun:
             prefix_cache.settle()
             prefix_cache.drop_tiers(spec.drop)
             if spec.cold_disk:
-                drop_page_cache(self.plan.disk_url)
+                drop_page_cache(self.plan.disk_url, whole_machine=self.plan.whole_machine_drop)
             prefix_cache.split = spec.split
             hit_prompt = prefix + self.tokens(suffix)
             hit_s, report = ttft(service, hit_prompt)
@@ -172,11 +176,13 @@ class TtftRun:
         prompt = self.tokens(min(1024, max(self.plan.prefix_tokens)))
         ttft(service, self.tokens(64))
         ttft(service, prompt)
+        ttft(service, prompt)  # a device hit on the second pass
         cache = service.prefix_cache
         if cache is None:
             return
         for drop in (("device",), ("device", "host")):
             cache.drop_tiers(drop)
+            drop_page_cache(self.plan.disk_url, whole_machine=self.plan.whole_machine_drop)
             ttft(service, prompt)
         cache.settle()
 
@@ -206,7 +212,7 @@ def summarize(run: TtftRun) -> dict[str, Any]:
         miss.append({"prefix_tokens": length, "kvtier_on_s": on, "no_cache_s": off,
                      "overhead": on / off - 1.0, "kvtier_on_s_all": s.hit,
                      "no_cache_s_all": s.recompute})
-    return {"rows": rows, "miss_path": miss}
+    return {"rows": rows, "miss_path": miss, "planner_rates": run.cache_rates}
 
 
 def _median_int(values: list[int]) -> int | None:

@@ -58,11 +58,14 @@ def _speedup_panel(ax: Any, series: dict[str, list[tuple[int, dict[str, Any]]]],
         ys = [by_length[n]["speedup"] for n in lengths if n in by_length]
         bars = ax.bar(xs, ys, width, color=COLORS.get(tier), label=tier)
         ax.bar_label(bars, labels=[f"{y:.1f}×" for y in ys], fontsize=7, padding=1)
+    labelled = False
     for goal in goals:
         if goal.get("speedup_at_least") and goal.get("prefix_tokens") in lengths:
             j = lengths.index(goal["prefix_tokens"])
             ax.hlines(goal["speedup_at_least"], j - 0.45, j + 0.45, colors="#444444",
-                      linestyles=":", linewidth=1.5)
+                      linestyles=":", linewidth=1.5,
+                      label=None if labelled else f"goal ({goal.get('tier', '')})")
+            labelled = True
     ax.axhline(1.0, color="#222222", linewidth=1)
     ax.set_xticks(range(len(lengths)), [_label(n) for n in lengths])
     ax.set_xlabel("cached prefix (tokens)")

@@ -85,7 +85,7 @@ class FileStore(PageStore):
         self.io = RecordIO(self.layout, direct=self.options.direct,
                            verify_payload=self.options.verify == "full")
         self.index = PageIndex(on_evict=self.readers.retire)
-        self.journal = Journal(self.root)
+        self.journal = Journal(self.root, apply_rows=self.index.load_rows)
         try:
             self.open_seconds = self._load()
         except OSError as exc:
@@ -115,7 +115,7 @@ class FileStore(PageStore):
                     raise
                 self.journal.close()
                 self.index = PageIndex(on_evict=self.readers.retire)
-                self.journal = Journal(self.root)
+                self.journal = Journal(self.root, apply_rows=self.index.load_rows)
         on_disk = list_segments(self.segments_dir)
         with self._lock:
             for seg in set(self.index.seg_slots) - set(on_disk):

@@ -78,19 +78,22 @@ class PageIndex:
 
     # ---- snapshots -----------------------------------------------------------------------
     def load_rows(self, rows: np.ndarray) -> None:
-        """Start from a snapshot (vectorized: a million rows load in well under a second)."""
+        """Apply puts given as snapshot rows, in order (a snapshot, or a run of journal puts);
+        vectorized, so a million rows load in about a second."""
         if not len(rows):
             return
         segs = rows["seg"].astype(np.uint64)
         locs = (segs << np.uint64(SLOT_BITS)) | rows["slot"].astype(np.uint64)
         keys = rows["key"].tolist()
         self.where.update(zip(keys, locs.tolist(), strict=True))
+        if self.hot:
+            self.hot.difference_update(keys)
         order = np.argsort(rows["seg"], kind="stable")
         sorted_segs = rows["seg"][order]
         bounds = np.flatnonzero(np.diff(sorted_segs)) + 1
         for chunk in np.split(order, bounds):
             seg = int(rows["seg"][chunk[0]])
-            self.seg_keys[seg] = [keys[i] for i in chunk.tolist()]
+            self.seg_keys.setdefault(seg, []).extend([keys[i] for i in chunk.tolist()])
             self._grow(seg, int(rows["slot"][chunk].max()) + 1)
 
     def rows(self) -> np.ndarray:

@@ -83,6 +83,9 @@ class RedisStore(PageStore):
         shown = redact_url(url)
         try:
             router = open_router(client_url, opts)
+        except ImportError as exc:
+            raise ConfigError("store url", shown, "the redis package installed "
+                              f"(pip install 'kvtier[redis]'): {exc}") from None
         except ValueError as exc:
             raise ConfigError("store url", shown, f"settings redis-py accepts ({exc})") from None
         except Exception as exc:  # a cluster whose slot map cannot be read
@@ -115,8 +118,11 @@ class RedisStore(PageStore):
             reason = str(exc).rstrip(".")
             raise StoreUnavailable(f"{where} refused access: {reason}. Give the user and password "
                                    "in the URL: redis://USER:PASSWORD@host:port/db") from None
-        if isinstance(exc, (AuthenticationError, ResponseError)):
+        if isinstance(exc, AuthenticationError):
             raise StoreUnavailable(f"{where} refused the credentials: {exc}") from None
+        if isinstance(exc, ResponseError):  # AUTH or SELECT answered with an error
+            raise StoreUnavailable(f"{where} refused the connection (credentials or db): "
+                                   f"{exc}") from None
         if self.options.require_server:
             raise StoreUnavailable(f"cannot reach {where} within {self.options.timeout_s}s: "
                                    f"{type(exc).__name__}: {exc}") from None

@@ -1,6 +1,6 @@
 """One connection's socket, borrowed from redis-py for one call and bounded by the call's deadline.
 
-Owns ``Deadline``, ``DeadlineExceeded`` and ``Channel``: ``recv_into`` and ``send`` (vectored
+Owns ``Deadline``, ``DeadlineExceeded`` / ``NoTimeLeft`` and ``Channel``: ``recv_into`` and ``send`` (vectored
 sends straight from the caller's page buffers) that never wait past the deadline. On a plain TCP
 socket the channel switches the socket to blocking mode and arms the kernel's receive and send
 timeouts (SO_RCVTIMEO / SO_SNDTIMEO) with the time left, re-arming only as the deadline nears,
@@ -27,10 +27,15 @@ class DeadlineExceeded(TimeoutError):
     """The call's deadline passed before the server answered."""
 
 
+class NoTimeLeft(DeadlineExceeded):
+    """Too little of the deadline was left to start talking to a server (not its fault)."""
+
+
 class Deadline:
     """A point in time (monotonic) every socket operation of one call must finish by."""
 
     def __init__(self, seconds: float) -> None:
+        self.total = seconds
         self.at = time.monotonic() + seconds
 
     def remaining(self) -> float:

@@ -15,11 +15,12 @@ from __future__ import annotations
 import logging
 import select
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from kvtier.store.redis_breaker import CircuitBreaker
-from kvtier.store.redis_channel import Channel, Deadline
+from kvtier.store.redis_channel import Channel, Deadline, NoTimeLeft
 from kvtier.store.redis_wire import ReplyReader, connection_socket
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,13 @@ UNAVAILABLE_KINDS = frozenset({"LOADING", "BUSY", "NOAUTH", "WRONGPASS", "NOPERM
                                "CLUSTERDOWN", "TRYAGAIN", "READONLY"})
 #: Error replies that mean the cluster's slot map changed under us.
 MOVED_KINDS = frozenset({"MOVED", "ASK"})
+
+#: Shares of a call's deadline for opening a connection: the TCP connect, and each handshake
+#: reply (AUTH, SELECT, CLIENT SETNAME: at most three). A connection is only opened while this
+#: much time is left, so opening one never pushes a call past its deadline.
+CONNECT_SHARE = 1 / 4
+HANDSHAKE_REPLY_SHARE = 1 / 8
+SETUP_SHARE = CONNECT_SHARE + 3 * HANDSHAKE_REPLY_SHARE
 
 
 class EndpointDown(Exception):
@@ -53,6 +61,13 @@ def _socket_dirty(conn: Any) -> bool:
     return bool(poller.poll(0))
 
 
+def _require_time(deadline: Deadline, share: float = 0.0) -> None:
+    """Raise ``NoTimeLeft`` unless more than ``share`` of the call's deadline is left."""
+    if deadline.at - time.monotonic() <= max(deadline.total * share, 0.0):
+        raise NoTimeLeft("too little of the deadline left to " +
+                         ("open a connection" if share else "start"))
+
+
 class Endpoint:
     """One Redis server: its connection pool, the connections kept from it, its breaker."""
 
@@ -70,6 +85,8 @@ class Endpoint:
             raise EndpointDown(self.name, "circuit open (recent failures)")
         try:
             result = self._attempt_with_one_retry(work, deadline)
+        except NoTimeLeft as exc:  # the call ran out of time before reaching this server
+            raise EndpointDown(self.name, str(exc), exc) from exc
         except Exception as exc:
             if self.breaker.record_failure():
                 log.warning("redis %s: circuit opened after %s", self.name, exc)
@@ -90,15 +107,17 @@ class Endpoint:
             return self._attempt(work, deadline)
         except AuthenticationError:
             raise
-        except (RedisConnectionError, ConnectionError):
+        except (RedisConnectionError, ConnectionError) as first:
             # A kept connection may predate a server restart: one retry on a fresh one.
             self._drop_idle()
-            deadline.remaining()
-            return self._attempt(work, deadline)
+            try:
+                return self._attempt(work, deadline)
+            except NoTimeLeft:
+                raise first from None
 
     def _attempt(self, work: Work[T], deadline: Deadline) -> T:
-        deadline.remaining()
-        conn = self._checkout()
+        _require_time(deadline)
+        conn = self._checkout(deadline)
         channel: Channel | None = None
         healthy = False
         try:
@@ -114,14 +133,16 @@ class Endpoint:
             self._checkin(conn, healthy)
 
     # ---- the shelf of kept connections -------------------------------------------------
-    def _checkout(self) -> Any:
+    def _checkout(self, deadline: Deadline) -> Any:
         with self._lock:
             conn = self._shelf.pop() if self._shelf else None
         if conn is None:
+            _require_time(deadline, SETUP_SHARE)
             return self.pool.get_connection()  # connected, counted against max_connections
         try:
             if _socket_dirty(conn):
                 conn.disconnect()
+                _require_time(deadline, SETUP_SHARE)
                 conn.connect()
         except BaseException:
             self._checkin(conn, False)

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvtier.store.redis_breaker import CircuitBreaker
-from kvtier.store.redis_endpoint import Endpoint
+from kvtier.store.redis_endpoint import CONNECT_SHARE, HANDSHAKE_REPLY_SHARE, Endpoint
 from kvtier.store.redis_options import RedisOptions
 
 log = logging.getLogger(__name__)
@@ -115,8 +115,9 @@ def _client_kwargs(opts: RedisOptions) -> dict[str, Any]:
     # Handshakes (AUTH, SELECT) use socket_timeout; every data call sets its own deadline.
     # RESP2: the reader in redis_wire speaks it (redis-py 8 would otherwise say HELLO 3).
     kwargs: dict[str, Any] = {
-        "protocol": 2, "socket_timeout": opts.timeout_s / 4,
-        "socket_connect_timeout": min(opts.effective_connect_timeout_s, opts.timeout_s / 4),
+        "protocol": 2, "socket_timeout": opts.timeout_s * HANDSHAKE_REPLY_SHARE,
+        "socket_connect_timeout": min(opts.effective_connect_timeout_s,
+                                      opts.timeout_s * CONNECT_SHARE),
         "socket_keepalive": True, "max_connections": opts.max_connections,
         "retry": Retry(NoBackoff(), 0), "health_check_interval": 0}
     # No CLIENT SETINFO round trips on connect (the keyword changed across redis-py versions).

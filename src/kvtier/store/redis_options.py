@@ -39,7 +39,7 @@ class RedisOptions:
     prefix: str = "kvtier:"          # key namespace: every key is prefix + hex(page key)
     ttl_s: int = 0                   # expiry of written pages, seconds (0: none, rely on LRU)
     timeout_s: float = 1.0           # deadline of every call (miss / refused write past it)
-    connect_timeout_s: float = 0.0   # TCP connect timeout (0: half the deadline)
+    connect_timeout_s: float = 0.0   # TCP connect timeout, at most timeout_s / 4 (0: that)
     max_connections: int = 64        # connections per server in the pool
     batch_bytes: int = 8 << 20       # bytes of pages per pipelined round trip
     cluster: bool = False            # talk Redis Cluster (keys routed by hash slot)
@@ -51,9 +51,8 @@ class RedisOptions:
 
     @property
     def effective_connect_timeout_s(self) -> float:
-        if self.connect_timeout_s > 0:
-            return min(self.connect_timeout_s, self.timeout_s)
-        return self.timeout_s / 2
+        """The TCP connect timeout asked for (capped by the store at a quarter of timeout_s)."""
+        return self.connect_timeout_s if self.connect_timeout_s > 0 else self.timeout_s
 
 
 def _coerce(name: str, kind: type, raw: Any) -> Any:

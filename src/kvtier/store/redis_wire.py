@@ -195,8 +195,9 @@ class ReplyReader:
             self._buf += view[:got]
             return None
         header = bytes(view[len(prefix):])
-        self._owed = 0
-        self.into(dest)
+        recv_into, pos, size = self._channel.recv_into, 0, len(dest)
+        while pos < size:  # the buffer is empty: the payload comes straight from the socket
+            pos += recv_into(dest[pos:] if pos else dest)
         self._owed = 2
         return header
 

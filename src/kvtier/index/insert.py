@@ -1,0 +1,93 @@
+"""One insert's walk down the radix tree (``RadixIndex.insert``).
+
+Owns ``InsertWalk``: it follows the prompt's pages from the root, splits runs where the prompt
+departs from them or where the range ends, puts the tier on every node of the range that lacks
+it (closure permitting), grows one new node for the pages the tree lacks, and collects the ids
+it did not take. Engine thread only; no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvtier.index.residency import NO_IDS, TIERS, Node, make_ids
+
+if TYPE_CHECKING:
+    from kvtier.index.radix import RadixIndex
+
+
+class InsertWalk:
+    """One insert's walk down the tree (kept out of RadixIndex to keep functions short)."""
+
+    def __init__(self, index: RadixIndex, data: bytes, keys: Sequence[bytes] | None, t: int,
+                 ids: Sequence[int] | None, start: int, stop: int, strict: bool) -> None:
+        self.index, self.data, self.keys, self.t = index, data, keys, t
+        self.ids, self.start, self.stop, self.strict = ids, start, stop, strict
+        self.taken = 0
+        self.unused: list[int] = []
+        self.pos = 0
+
+    def run(self, root: Node) -> Node | None:
+        index, step = self.index, self.index._step
+        node, deepest = root, None
+        while self.pos < self.stop:
+            child = node.children.get(self.data[self.pos * step:(self.pos + 1) * step])
+            if child is None:
+                return self._grow(node) or deepest
+            used = index._common_pages(child, self.data, self.pos, self.stop - self.pos)
+            if used < child.pages:
+                child = index.split(child, used)
+            if not self._cover(node, child):
+                return deepest
+            for t in range(len(TIERS)):
+                index.ledgers[t].policy.touch(child)
+            child.last_access = index._clock
+            node = deepest = child
+            self.pos += used
+        return deepest
+
+    def _refuse(self, why: str) -> bool:
+        if self.strict:
+            raise ValueError(f"insert on {TIERS[self.t]} at page {self.pos}: {why}")
+        if self.ids is not None:
+            self.unused.extend(self.ids[max(self.pos, self.start) - self.start:])
+        return False
+
+    def _grow(self, parent: Node) -> Node | None:
+        """Pages from ``pos`` to ``stop`` are new: one node for all of them."""
+        if self.pos < self.start:
+            self._refuse("pages before the range are not indexed")
+            return None
+        if not self._parent_ok(parent):
+            self._refuse("the parent page is not on the tier")
+            return None
+        node = self.index._new_node(parent, self.data, self.keys, self.pos, self.stop)
+        self.index._set(node, self.t, make_ids(self._ids(self.pos, self.stop)))
+        self.taken += self.stop - self.pos
+        self.pos = self.stop
+        return node
+
+    def _cover(self, parent: Node, node: Node) -> bool:
+        """Apply the tier to ``node`` (pages ``[pos, pos + node.pages)``) where in range."""
+        lo, hi = max(self.pos, self.start), self.pos + node.pages
+        if lo >= hi:
+            return True
+        value = node.res[self.t]
+        if value is not None:  # already held: offered ids that differ are unused
+            if value is not NO_IDS and self.ids is not None:
+                offered = self._ids(lo, hi)
+                held = value[lo - self.pos:]
+                self.unused.extend(i for i, h in zip(offered, held, strict=True) if i != h)
+            return True
+        if lo > self.pos or not self._parent_ok(parent):
+            return self._refuse("the parent page is not on the tier")
+        self.index._set(node, self.t, make_ids(self._ids(lo, hi)))
+        self.taken += hi - lo
+        return True
+
+    def _parent_ok(self, parent: Node) -> bool:
+        return parent.parent is None or parent.res[self.t] is not None
+
+    def _ids(self, lo: int, hi: int) -> list[int] | None:
+        return None if self.ids is None else list(self.ids[lo - self.start:hi - self.start])
