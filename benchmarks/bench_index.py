@@ -32,14 +32,22 @@ PAGE = 64
 VOCAB = 150_000
 
 
-def percentile_ms(fn: Callable[[], Any], repeats: int) -> tuple[float, float]:
-    times = []
+def _pcts(samples: list[float]) -> tuple[float, float]:
+    samples = sorted(samples)
+    return (samples[len(samples) // 2] * 1e3,
+            samples[min(len(samples) - 1, int(len(samples) * 0.99))] * 1e3)
+
+
+def percentile_ms(fn: Callable[[], Any], repeats: int) -> tuple[float, float, float, float]:
+    """(p50, p99) of wall time and of this thread's CPU time, in ms. On a shared machine the CPU
+    time is the operation's own cost; the wall time adds whatever preempted it."""
+    wall, cpu = [], []
     for _ in range(repeats):
-        start = time.perf_counter()
+        w0, c0 = time.perf_counter(), time.thread_time()
         fn()
-        times.append(time.perf_counter() - start)
-    times.sort()
-    return times[len(times) // 2] * 1e3, times[min(len(times) - 1, int(len(times) * 0.99))] * 1e3
+        cpu.append(time.thread_time() - c0)
+        wall.append(time.perf_counter() - w0)
+    return (*_pcts(wall), *_pcts(cpu))
 
 
 def make_corpus(target_pages: int, prompt_pages: int, seed: int = 1) -> list[tuple[np.ndarray, int]]:
@@ -124,6 +132,7 @@ def memory_per_page(pages: int, prompt_pages: int, ns: KeyNamespace) -> dict[str
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     ns = KeyNamespace("bench", "0", "bfloat16", "x", PAGE)
+    load_before = os.getloadavg()[0]
     corpus = make_corpus(args.pages, args.prompt_pages)
     distinct = sum(args.prompt_pages - shared for _, shared in corpus)
     index = RadixIndex(PAGE, capacities={"device": distinct + args.prompt_pages})
@@ -138,9 +147,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results: list[dict[str, Any]] = []
 
     def record(case: str, what: str, fn: Callable[[], Any]) -> None:
-        p50, p99 = percentile_ms(fn, args.repeats)
-        rows.append([case, what, p50, p99])
-        results.append({"case": case, "op": what, "p50_ms": p50, "p99_ms": p99})
+        add(case, what, percentile_ms(fn, args.repeats))
+
+    def add(case: str, what: str, times: tuple[float, float, float, float]) -> None:
+        rows.append([case, what, *times])
+        results.append({"case": case, "op": what, "p50_ms": times[0], "p99_ms": times[1],
+                        "cpu_p50_ms": times[2], "cpu_p99_ms": times[3]})
 
     query = corpus[int(rng.integers(len(corpus)))][0]
     qbytes, qlist, qint64 = query.tobytes(), query.tolist(), query.astype(np.int64)
@@ -151,21 +163,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     record("tree", "key table match (keys given)", lambda: _table_match(table, qkeys))
     record("tree", "key table match (hash + probe)",
            lambda: _table_match(table, chain_keys(qbytes, PAGE, ns.seed())))
-    p50, p99 = insert_ms(index, ns, query, rng, args.repeats)
-    rows.append(["tree", "radix insert (new tail)", p50, p99])
-    results.append({"case": "tree", "op": "radix insert (new tail)", "p50_ms": p50, "p99_ms": p99})
+    add("tree", "radix insert (new tail)", insert_ms(index, ns, query, rng, args.repeats))
     frag_index, frag = build_fragmented(ns, args.prompt_pages)
     record("fragmented", "radix match (token bytes)", lambda: frag_index.match(frag))
     memory = memory_per_page(args.memory_pages, args.prompt_pages, ns)
     print(f"indexed {index.sizes('device').resident} pages in {nodes} nodes "
           f"({len(corpus)} prompts of {args.prompt_pages} pages) in {build_s:.1f} s")
-    print(format_table(["shape", "operation", "p50 ms", "p99 ms"], rows))
+    print(format_table(["shape", "operation", "p50 ms", "p99 ms", "cpu p50 ms", "cpu p99 ms"],
+                       rows))
     print(format_table(["index", "bytes/page"], [[k, v] for k, v in memory.items()]))
     return {"page_size": PAGE, "prompt_tokens": args.prompt_pages * PAGE,
             "indexed_pages": index.sizes("device").resident, "nodes": nodes,
             "build_s": build_s, "repeats": args.repeats, "runs": results,
             "memory_bytes_per_page": memory, "memory_pages": args.memory_pages,
-            "load_avg_1m_after": os.getloadavg()[0],
+            "load_avg_1m_before": load_before, "load_avg_1m_after": os.getloadavg()[0],
             "goal": {"match_p99_ms": 2.0}}
 
 
@@ -177,11 +188,11 @@ def _table_match(table: dict[bytes, int], keys: list[bytes]) -> int:
 
 
 def insert_ms(index: RadixIndex, ns: KeyNamespace, query: np.ndarray, rng: np.random.Generator,
-              repeats: int) -> tuple[float, float]:
+              repeats: int) -> tuple[float, float, float, float]:
     """Time ``insert`` of prompts sharing a random prefix of ``query`` (keys hashed and page ids
     allocated untimed); each new tail is dropped again so the index keeps its size."""
     pages = len(query) // PAGE
-    times = []
+    wall, cpu = [], []
     for _ in range(repeats):
         shared = int(rng.integers(1, pages))
         tokens = query.copy()
@@ -189,13 +200,13 @@ def insert_ms(index: RadixIndex, ns: KeyNamespace, query: np.ndarray, rng: np.ra
         data = tokens.tobytes()
         keys = chain_keys(data, PAGE, ns.seed())
         ids = index.allocate("device", pages - shared)
-        start = time.perf_counter()
+        w0, c0 = time.perf_counter(), time.thread_time()
         result = index.insert(data, keys, tier="device", ids=ids, start=shared)
-        times.append(time.perf_counter() - start)
+        cpu.append(time.thread_time() - c0)
+        wall.append(time.perf_counter() - w0)
         if result.node is not None and result.taken:
             index.drop(result.node, "device")
-    times.sort()
-    return times[len(times) // 2] * 1e3, times[min(len(times) - 1, int(len(times) * 0.99))] * 1e3
+    return (*_pcts(wall), *_pcts(cpu))
 
 
 def main() -> int:

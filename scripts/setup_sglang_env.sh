@@ -45,7 +45,7 @@ test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
 pip_install() {
   # pip warns about every extra index folder lacking a package, and that SGLang's full (GPU)
   # dependency set is absent; only errors matter here.
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@" 2>&1 \
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-compile "$@" 2>&1 \
     | { grep -v -e "^WARNING: Location" -e "^sglang 0.5.23 requires" \
           -e "dependency resolver does not currently" || true; }
   return "${PIPESTATUS[0]}"

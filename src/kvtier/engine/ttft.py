@@ -79,6 +79,11 @@ def ttft(service: EngineService, prompt: list[int]) -> tuple[float, Any]:
     return handle.first_token_at - handle.submitted_at, finish.prefill
 
 
+def on_engine(service: EngineService, fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` on the engine thread (the cache is that thread's alone) and wait for it."""
+    return service.scheduler.call_soon(fn).result(timeout=600)
+
+
 class TtftRun:
     """One benchmark run over a model; ``run()`` returns the raw samples."""
 
@@ -126,7 +131,8 @@ class TtftRun:
                     self._one_prefix(baseline, service, tiers, length)
         finally:
             if service.prefix_cache is not None:
-                self.cache_rates[group] = service.prefix_cache.stats().get("rates")
+                stats = on_engine(service, service.prefix_cache.stats)
+                self.cache_rates[group] = stats.get("rates")
             service.close()
 
     def _one_prefix(self, baseline: EngineService, service: EngineService, tiers: list[str],
@@ -141,17 +147,16 @@ class TtftRun:
         self.progress(f"{length} miss")
         for tier in tiers:
             spec = TIER_SPECS[tier]
-            prefix_cache.settle()
-            prefix_cache.drop_tiers(spec.drop)
+            on_engine(service, lambda drop=spec.drop: prefix_cache.drop_tiers(drop))
             if spec.cold_disk:
                 drop_page_cache(self.plan.disk_url, whole_machine=self.plan.whole_machine_drop)
-            prefix_cache.split = spec.split
+            on_engine(service, lambda split=spec.split: setattr(prefix_cache, "split", split))
             hit_prompt = prefix + self.tokens(suffix)
             hit_s, report = ttft(service, hit_prompt)
             base_s, _ = ttft(baseline, hit_prompt)
             self._add(self.samples.setdefault((tier, length), Samples()), hit_s, base_s, report)
             self.progress(f"{length} {tier}")
-        prefix_cache.settle()
+        on_engine(service, prefix_cache.settle)
 
     def _recompute_only(self, baseline: EngineService) -> None:
         for length in self.plan.prefix_tokens:
@@ -181,10 +186,10 @@ class TtftRun:
         if cache is None:
             return
         for drop in (("device",), ("device", "host")):
-            cache.drop_tiers(drop)
+            on_engine(service, lambda d=drop: cache.drop_tiers(d))
             drop_page_cache(self.plan.disk_url, whole_machine=self.plan.whole_machine_drop)
             ttft(service, prompt)
-        cache.settle()
+        on_engine(service, cache.settle)
 
     def steps(self) -> int:
         """How many progress steps ``run`` reports."""
