@@ -14,7 +14,8 @@ controller's ``_generic_page_set/_get`` (how SGLang drives ``HiCacheFile``) and
 
 Reported: store GB/s, warm read GB/s (page cache hot), cold read GB/s (the store's files evicted
 from the page cache with ``posix_fadvise(DONTNEED)``), and ``batch_exists`` µs per page. Reads are
-checked bit-exact against the pages written. Main thread only (SGLang's storage threads are one
+checked bit-exact against the pages written. Each contestant runs ``--repeat`` times, interleaved
+with the others, and the median of each figure is reported. Main thread only (SGLang's storage threads are one
 prefetch and one backup thread).
 
 Run: ``.venv-sglang/bin/python benchmarks/bench_sglang_backend.py --json out.json``.
@@ -26,6 +27,7 @@ import argparse
 import hashlib
 import os
 import shutil
+import statistics
 import tempfile
 import time
 import warnings
@@ -216,7 +218,7 @@ def verify(pool: Any, n: int) -> None:
         assert torch.equal(src.view(torch.int16), dst.view(torch.int16)), f"page {page} differs"
 
 
-def bench_shape(name: str, shape: tuple, total_bytes: int, root: Path) -> list[dict[str, Any]]:
+def bench_shape(name: str, shape: tuple, total_bytes: int, root: Path, repeat: int) -> list[dict[str, Any]]:
     kind, layout, layers, heads, dim, ps = shape
     probe = make_pool(kind, layout, layers, heads, dim, ps, max(layers, 1))
     nbytes = page_bytes(probe)
@@ -225,18 +227,22 @@ def bench_shape(name: str, shape: tuple, total_bytes: int, root: Path) -> list[d
     raw = pool.kv_buffer.view(-1).view(torch.uint8)
     raw[: raw.numel() // 2].random_(0, 256)
     keys = [hashlib.sha256(f"{name}:{i}".encode()).hexdigest() for i in range(n)]
-    out = []
-    for contestant, build in contestants(kind, pool, root, n).items():
-        pool.kv_buffer.view(-1).view(torch.uint8)[raw.numel() // 2:].zero_()
-        driver = build()
-        try:
-            result = run_contestant(driver, pool, keys, root / contestant)
-        finally:
-            driver.close()
-            shutil.rmtree(root / contestant, ignore_errors=True)
-        out.append({"shape": name, "backend": contestant, "page_bytes": nbytes, "pages": n, **result})
-        print(f"  {name:28s} {contestant:15s} done", flush=True)
-    return out
+    samples: dict[str, list[dict[str, float]]] = {}
+    for _ in range(repeat):  # contestants interleaved, so a noisy minute hits all of them
+        for contestant, build in contestants(kind, pool, root, n).items():
+            raw[raw.numel() // 2:].zero_()
+            driver = build()
+            try:
+                samples.setdefault(contestant, []).append(
+                    run_contestant(driver, pool, keys, root / contestant))
+            finally:
+                driver.close()
+                shutil.rmtree(root / contestant, ignore_errors=True)
+    print(f"  {name}: done", flush=True)
+    return [{"shape": name, "backend": contestant, "page_bytes": nbytes, "pages": n,
+             "repeats": repeat, **{metric: statistics.median(r[metric] for r in runs)
+                                   for metric in runs[0]}}
+            for contestant, runs in samples.items()]
 
 
 def main() -> int:
@@ -244,6 +250,7 @@ def main() -> int:
     parser.add_argument("--total", default="128MiB", help="Bytes of pages per shape.")
     parser.add_argument("--dir", default=None, help="Directory on the disk to test (default: a temp dir).")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="Comma-separated shape names.")
+    parser.add_argument("--repeat", type=int, default=3, help="Runs per contestant (median reported).")
     parser.add_argument("--json", metavar="OUT", help="Write results as JSON here.")
     args = parser.parse_args()
     from kvtier.config import parse_size
@@ -253,7 +260,7 @@ def main() -> int:
     rows, runs = [], []
     try:
         for name in args.shapes.split(","):
-            for r in bench_shape(name, SHAPES[name], total, root):
+            for r in bench_shape(name, SHAPES[name], total, root, args.repeat):
                 runs.append(r)
                 rows.append([r["shape"], r["backend"], r["page_bytes"], r["pages"], r["write_gbps"],
                              r["warm_read_gbps"], r["cold_read_gbps"], r["exists_us_per_page"]])

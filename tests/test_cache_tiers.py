@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 
-from cache_support import P, assert_kv, make_cache, prompt, serve, store_keys, write_kv
+from cache_support import LAYOUT, P, assert_kv, make_cache, prompt, serve, store_keys, write_kv
 from kvtier.errors import PoolExhausted
 from kvtier.store.memory import MemoryStore
 from kvtier.store.wrappers import CountingStore
 
 
 def disk_store() -> MemoryStore:
-    from cache_support import LAYOUT
-
     return MemoryStore(LAYOUT.page_bytes)
 
 
@@ -219,8 +219,6 @@ def test_host_tier_off_keeps_a_device_only_cache() -> None:
 
 
 def test_shared_store_serves_a_second_cache_instance() -> None:
-    from cache_support import LAYOUT
-
     name = "shared-test-store"
     first = MemoryStore(LAYOUT.page_bytes, name=name)
     tokens = prompt(5, seed=18)
@@ -236,3 +234,24 @@ def test_shared_store_serves_a_second_cache_instance() -> None:
         other.drain()
         assert second.counts()["write"].pages == 0  # backup saw the pages were there already
     first.clear()
+
+
+def test_plan_split_recomputes_a_head_only_when_it_pays() -> None:
+    name = f"split-{uuid.uuid4().hex}"
+    tokens = prompt(8, seed=19)
+    with make_cache(stores={"disk": MemoryStore(LAYOUT.page_bytes, name=name)}) as writer:
+        serve(writer, tokens)
+        writer.drain()
+    with make_cache(stores={"disk": MemoryStore(LAYOUT.page_bytes, name=name)}) as cache:
+        hit = cache.match(tokens)
+        assert cache.plan_split(hit) == 0  # no prefill rate known yet: load everything
+        cache.observe_prefill(10_000, 1.0)
+        cache.controller.rates.rates["disk"] = (1e6, 0.0)  # 7.8k tokens/s of this layout
+        split = cache.plan_split(hit)
+        assert 0 < split < 8 * P and split % P == 0
+        cache.controller.rates.rates["disk"] = (1e12, 0.0)
+        assert cache.plan_split(hit) == 0  # loading is far faster: recompute nothing
+        cache.controller.rates.rates["disk"] = (1.0, 0.0)
+        assert cache.plan_split(hit) == 8 * P  # loading is hopeless: recompute all
+        serve(cache, tokens)
+        assert cache.plan_split(cache.match(tokens)) == 0  # a device hit is never recomputed

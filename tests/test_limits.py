@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
+import threading
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -125,13 +128,21 @@ def test_live_server_refuses_a_chunked_upload_past_max_body_bytes() -> None:
 
 def test_saturated_server_answers_429_yet_health_metrics_and_admin_still_answer() -> None:
     config = make_config(cache__enabled="false", server__max_concurrent_requests=1)
-    long_body = {"model": "tiny-llama", "prompt": "x", "max_tokens": 2000, "temperature": 0,
-                 "ignore_eos": True, "stream": True}
+    started, finish = threading.Event(), threading.Event()
+
+    def slow_upload() -> Iterator[bytes]:  # holds the only slot until told to finish
+        yield b'{"model": "tiny-llama", '
+        started.set()
+        finish.wait(30)
+        yield b'"prompt": "x", "max_tokens": 1}'
+
     with running_server(config, max_running=1) as (_, url), \
-            httpx.stream("POST", url + "/v1/completions", json=long_body, timeout=60) as stream:
-        assert stream.status_code == 200
-        next(stream.iter_lines())  # generating now, and holding the only slot
-        refused = httpx.post(url + "/v1/completions", json={**long_body, "stream": False})
+            concurrent.futures.ThreadPoolExecutor(1) as pool:
+        holder = pool.submit(httpx.post, url + "/v1/completions", content=slow_upload(),
+                             headers={"content-type": "application/json"}, timeout=60)
+        assert started.wait(10)
+        time.sleep(0.2)  # the first chunk reaches the server
+        refused = httpx.post(url + "/v1/completions", json={"model": "tiny-llama", "prompt": "y"})
         assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
         assert refused.json()["error"]["code"] == "too_many_requests"
         assert httpx.get(url + "/health").status_code == 200
@@ -139,3 +150,7 @@ def test_saturated_server_answers_429_yet_health_metrics_and_admin_still_answer(
         assert 'kvtier_requests_rejected_total{reason="too_many_in_flight"} 1.0' in metrics
         assert "kvtier_http_requests_in_flight 1.0" in metrics
         assert httpx.get(url + "/admin/stats").status_code == 403  # answered, not queued
+        finish.set()
+        assert holder.result().status_code == 200
+        assert httpx.post(url + "/v1/completions", json={"model": "tiny-llama", "prompt": "y",
+                                                         "max_tokens": 1}).status_code == 200

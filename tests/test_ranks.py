@@ -14,7 +14,14 @@ import pytest
 
 from cache_support import LAYOUT, P, assert_kv, make_cache, prompt, serve
 from kvtier.cache import TieredCache
-from kvtier.controller.ranks import LOAD_CALLS, MATCH_CALLS, RankDisagreement, ThreadCollective
+from kvtier.controller.ranks import (
+    LOAD_CALLS,
+    MATCH_CALLS,
+    SPLIT_CALLS,
+    RankDisagreement,
+    ThreadCollective,
+)
+from kvtier.controller.split import plan_split
 from kvtier.store.memory import MemoryStore
 from kvtier.store.wrappers import FaultRule, FaultStore, LatencyStore
 
@@ -139,6 +146,31 @@ def test_an_empty_cache_rank_and_a_full_one_make_the_same_calls() -> None:
         return cache.controller.ranks.calls - before
 
     assert run_ranks(caches, three_requests) == [3 * (MATCH_CALLS + LOAD_CALLS)] * 2
+    for cache in caches:
+        cache.close()
+
+
+def test_ranks_agree_on_the_split_although_their_rates_differ() -> None:
+    name = f"ranks-{uuid.uuid4().hex}"
+    with make_cache(stores={"disk": MemoryStore(LAYOUT.page_bytes, name=name)}) as writer:
+        serve(writer, TOKENS)
+        writer.drain()
+    caches = two_caches([{"disk": MemoryStore(LAYOUT.page_bytes, name=name)} for _ in range(2)])
+    for cache, disk_rate in zip(caches, (1e6, 3e5), strict=True):
+        cache.observe_prefill(10_000, 1.0)
+        cache.controller.rates.rates["disk"] = (disk_rate, 0.0)
+
+    def split(cache: TieredCache) -> tuple[Any, int, int]:
+        before = cache.controller.ranks.calls
+        hit = cache.match(TOKENS)
+        return hit, cache.plan_split(hit), cache.controller.ranks.calls - before
+
+    results = run_ranks(caches, split)
+    local = [plan_split(hit, cache.controller.rates, LAYOUT.bytes_per_token)
+             for cache, (hit, _, _) in zip(caches, results, strict=True)]
+    assert local[0] != local[1]
+    assert [agreed for _, agreed, _ in results] == [min(local)] * 2
+    assert [calls for _, _, calls in results] == [MATCH_CALLS + SPLIT_CALLS] * 2
     for cache in caches:
         cache.close()
 

@@ -57,22 +57,27 @@ class HitSplit:
 
 
 def _split_time(recompute: int, hit: int, load_rate: float, prefill_rate: float,
-                latency_s: float) -> float:
+                latency_s: float, recompute_fixed_s: float = 0.0) -> float:
     loaded = hit - recompute
-    t_recompute = recompute / prefill_rate
-    t_load = 0.0 if loaded == 0 else (math.inf if load_rate <= 0 else latency_s + loaded / load_rate)
+    if loaded == 0:
+        return recompute / prefill_rate  # the whole hit runs in the prompt's one forward
+    t_recompute = 0.0 if recompute == 0 else recompute_fixed_s + recompute / prefill_rate
+    t_load = math.inf if load_rate <= 0 else latency_s + loaded / load_rate
     return max(t_recompute, t_load)
 
 
 def split_hit(hit_tokens: int, load_rate: float, prefill_rate: float, page_size: int = 1,
-              latency_s: float = 0.0) -> HitSplit:
+              latency_s: float = 0.0, recompute_fixed_s: float = 0.0) -> HitSplit:
     """Split a hit of ``hit_tokens`` (a multiple of ``page_size``) between recompute and load.
 
     ``load_rate`` is the tier's tokens per second (``load_tokens_per_s``), ``prefill_rate`` the
-    model's prefill tokens per second, ``latency_s`` the tier's fixed cost before the first byte.
-    Recomputing ``r`` head tokens takes ``r / P``; loading the tail takes
-    ``latency + (hit - r) / L``; they finish together at ``r = P (hit + L latency) / (L + P)``,
-    rounded to whichever neighbouring page boundary is faster (ties favour loading).
+    model's prefill tokens per second, ``latency_s`` the tier's fixed cost per load (first byte
+    and per-request overhead), ``recompute_fixed_s`` the fixed cost of running the head as a
+    forward of its own. Recomputing ``r`` head tokens takes ``fixed + r / P``; loading the tail
+    takes ``latency + (hit - r) / L``; they finish together at
+    ``r = P (hit + L (latency - fixed)) / (L + P)``, rounded to whichever neighbouring page
+    boundary is faster. Loading nothing (the hit runs in the prompt's own forward: ``hit / P``)
+    or everything are candidates too; ties favour loading.
     """
     if hit_tokens < 0 or page_size < 1:
         raise ValueError(f"hit of {hit_tokens} tokens with pages of {page_size}")
@@ -82,16 +87,18 @@ def split_hit(hit_tokens: int, load_rate: float, prefill_rate: float, page_size:
     if load_rate <= 0:
         ideal = float(hit)
     else:
-        ideal = prefill_rate * (hit + load_rate * latency_s) / (load_rate + prefill_rate)
-    lower = min(hit, int(ideal // page_size) * page_size)
+        ideal = prefill_rate * (hit + load_rate * (latency_s - recompute_fixed_s)) \
+            / (load_rate + prefill_rate)
+    lower = max(0, min(hit, int(ideal // page_size) * page_size))
     upper = min(hit, lower + page_size)
-    best = min((lower, upper), key=lambda r: (_split_time(r, hit, load_rate, prefill_rate,
-                                                          latency_s), r))
+
+    def cost(r: int) -> float:
+        return _split_time(r, hit, load_rate, prefill_rate, latency_s, recompute_fixed_s)
+
+    best = min((0, lower, upper, hit), key=lambda r: (cost(r), r))
     return HitSplit(
-        hit_tokens=hit, recompute_tokens=best, load_tokens=hit - best,
-        time_s=_split_time(best, hit, load_rate, prefill_rate, latency_s),
-        recompute_all_s=hit / prefill_rate,
-        load_all_s=_split_time(0, hit, load_rate, prefill_rate, latency_s),
+        hit_tokens=hit, recompute_tokens=best, load_tokens=hit - best, time_s=cost(best),
+        recompute_all_s=hit / prefill_rate, load_all_s=cost(0),
     )
 
 

@@ -43,12 +43,14 @@ def backends() -> Iterator[Callable[..., Any]]:
     made: list[Any] = []
 
     def build(pool: Any, url: str, *, tp_rank: int = 0, tp_size: int = 1, mla: bool = False,
-              interface_v1: int = 1, model: str = "test/model", **kvtier: Any) -> Any:
+              interface_v1: int = 1, model: str = "test/model", pp_rank: int = 0,
+              pp_size: int = 1, **kvtier: Any) -> Any:
         extra = {"backend_name": "kvtier", "module_path": "kvtier.integrations.sglang",
                  "class_name": "KvtierHiCacheStorage", "interface_v1": interface_v1,
                  "kvtier": {"disk_url": url, "disk_min_free_bytes": 0, **kvtier}}
         json.dumps(extra)  # SGLang reads it from a JSON command-line flag
-        config = make_config(tp_rank=tp_rank, tp_size=tp_size, mla=mla, extra=extra, model=model)
+        config = make_config(tp_rank=tp_rank, tp_size=tp_size, mla=mla, extra=extra, model=model,
+                             pp_rank=pp_rank, pp_size=pp_size)
         backend = StorageBackendFactory.create_backend("dynamic", config, pool)
         backend.register_mem_pool_host(pool)
         made.append(backend)

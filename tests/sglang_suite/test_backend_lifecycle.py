@@ -58,6 +58,18 @@ def test_restarted_backend_serves_pages_from_the_kept_disk(backends, disk_url):
     assert [page_bytes(fresh_pool, p) for p in range(10, 15)] == expected
 
 
+def test_storage_metrics_report_pages_of_each_call_since_the_last_report(backends, disk_url):
+    pool = make_pool("mha", "page_first")
+    backend = backends(pool, disk_url)
+    keys = names(3)
+    assert all(backend.batch_set_v1(keys, page_slots(pool, [0, 1, 2])))
+    assert backend.batch_get_v1(keys[:2], page_slots(pool, [4, 5])) == [True, True]
+    metrics = backend.get_stats()
+    assert metrics.backup_pgs == [3] and metrics.prefetch_pgs == [2]
+    assert len(metrics.prefetch_bandwidth) == 1 and metrics.prefetch_bandwidth[0] > 0
+    assert backend.get_stats().prefetch_pgs == []
+
+
 def test_sglang_controller_paths_load_and_store_through_the_backend(backends, disk_url):
     from sglang.srt.managers.cache_controller import HiCacheController
 

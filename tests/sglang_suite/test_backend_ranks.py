@@ -58,6 +58,16 @@ def test_ranks_replicating_heads_share_a_page_and_only_the_first_writes(backends
     assert ranks[2].batch_exists(keys) == 0
 
 
+def test_pipeline_stages_with_the_same_page_shape_keep_separate_pages(backends, disk_url):
+    pools = [make_pool("mha", "page_first") for _ in range(2)]
+    stages = [backends(pool, disk_url, pp_rank=r, pp_size=2) for r, pool in enumerate(pools)]
+    fill_random(pools[0], seed=15)
+    keys = names(2)
+    assert all(stages[0].batch_set_v1(keys, page_slots(pools[0], [0, 1])))
+    assert stages[1].batch_exists(keys) == 0
+    assert stages[0].batch_exists(keys) == 2
+
+
 def test_inconsistent_head_total_is_refused_at_registration(backends, disk_url):
     with pytest.raises(ConfigError):
         backends(make_pool("mha", "page_first", heads=2), disk_url, tp_size=2, kv_heads_total=3)

@@ -74,7 +74,8 @@ class CacheController:
         return loaded
 
     def plan_split(self, hit: Hit) -> int:
-        return plan_split(hit, self.rates, self._bytes_per_token())
+        """Agreed across ranks (rates are measured per rank): the smallest rank's split."""
+        return self.ranks.agree(lambda: plan_split(hit, self.rates, self._bytes_per_token()))
 
     def _bytes_per_token(self) -> int:
         layout = self.ctx.device_pool.layout

@@ -11,15 +11,17 @@ for its own calls:
 
 - ``match`` makes exactly ``MATCH_CALLS`` calls (device, host, disk and remote reach, in that
   order), ``load`` exactly ``LOAD_CALLS`` (pages available after the prefetch, pages on device
-  after the load-back); no other method makes any;
+  after the load-back), ``plan_split`` exactly ``SPLIT_CALLS`` (the split: each rank measures
+  its own rates); no other method makes any;
 - the calls sit on straight-line code paths: an empty hit, a disabled tier, a prefetch that
   timed out, a store that raised, a full pool — each only changes the *value* a rank
   contributes (down to 0), never whether or when it calls (``RankAgreement.agree`` turns a local
   failure into a contribution of 0 before the call);
 - so the engine must call ``match`` and ``load`` for the same requests in the same order on
-  every rank — in particular ``load`` even when the local hit is empty — and base its decisions
-  on the agreed values (``Hit.tokens``, ``Hit.tokens_by_tier``, ``Loaded.tokens``), which are
-  identical on every rank.
+  every rank — in particular ``load`` even when the local hit is empty — and ``plan_split``
+  either on every rank or on none, and base its decisions on the agreed values (``Hit.tokens``,
+  ``Hit.tokens_by_tier``, ``plan_split``'s answer, ``Loaded.tokens``), which are identical on
+  every rank. (Page ids, and ``Loaded.start_tokens``, stay per rank.)
 
 Also here: ``ThreadCollective`` (ranks as threads of one process, a barrier with a timeout, so a
 missing rank raises instead of hanging; used by tests and single-host simulations) and
@@ -39,6 +41,7 @@ Collective = Callable[[int], int]
 
 MATCH_CALLS = 4
 LOAD_CALLS = 2
+SPLIT_CALLS = 1
 
 
 class RankDisagreement(KvtierError, RuntimeError):

@@ -1,16 +1,22 @@
 """Load or recompute: how many of a hit's tokens the engine should recompute (``plan_split``).
 
-Owns ``RateBook`` (what each tier delivers and how fast the model prefills) and ``plan_split``.
-The cost model is the planner's (``kvtier.planner.split_hit``): recompute the head of the hit
-while its tail loads, so both finish together. The device part of a hit costs nothing to use,
-so the split is taken only if recomputing reaches past it and beats loading the whole
-non-device part; a hit whose loading is slower than recomputing all of it comes back as "all".
+Owns ``RateBook`` (what each tier delivers, what a load of it costs before its first byte, how
+fast the model prefills) and ``plan_split``. The cost model is the planner's
+(``kvtier.planner.split_hit``): recompute the head of the hit while its tail loads, so both
+finish together; loading everything and recomputing everything are candidates too, so a tier
+whose loads cannot win is not loaded at all. The device part of a hit costs nothing to use, so
+the split is taken only if recomputing reaches past it.
 
 Rates start from the figures measured on our machines (``docs/architecture.md``) and follow
-what this cache observes: every finished prefetch and load-back updates its tier's rate (an
-exponential average), and the engine reports its prefill rate (``observe_prefill``). Until a
-prefill rate is known the split is 0 (load everything: from RAM loading wins outright).
-Engine thread only; no torch.
+what this cache observes. Finished prefetch and load-back jobs update a tier's bandwidth (an
+exponential average). Whole loads, timed by the engine from ``load`` to KV on the device
+(``observe_load``), teach the tier's fixed cost per load (first-byte latency plus per-request
+overhead: queueing, the host -> device copy, bookkeeping) and its effective bandwidth: a
+weighted line fit of seconds against bytes (``LineFit``) once loads of different sizes were
+seen, else the time a load took beyond what the bandwidth explains. Prefills (``observe_prefill``)
+are fitted the same way: their slope is the prefill rate, their intercept the fixed cost of a
+forward of its own (what a split's separate head forward adds). Until a prefill rate is known the
+split is 0 (load everything: from RAM loading wins outright). Engine thread only; no torch.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from dataclasses import dataclass, field
 from kvtier.controller.handles import Hit
 from kvtier.planner import load_tokens_per_s, split_hit
 
-#: Starting read rates (bytes/s) and first-byte latencies (s) per tier, before measurements.
+#: Starting read rates (bytes/s) and fixed costs per load (s), before measurements.
 DEFAULT_RATES: dict[str, tuple[float, float]] = {
     "host": (50e9, 0.0),        # pinned host -> device through UVA kernels (H200 machine)
     "disk": (1.5e9, 200e-6),    # cold local NVMe, 1-32 threads
@@ -28,14 +34,54 @@ DEFAULT_RATES: dict[str, tuple[float, float]] = {
 }
 CPU_HOST_RATE = 5e9            # host -> "device" copies when the device is the CPU
 SMOOTHING = 0.2
+#: A fit's x values must spread by this share of their mean before its slope is trusted.
+MIN_RELATIVE_SPREAD = 0.25
+
+
+@dataclass
+class LineFit:
+    """Exponentially weighted least squares of ``y = intercept + slope * x``."""
+
+    weight: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+    count: int = 0
+
+    def add(self, x: float, y: float, smoothing: float = SMOOTHING) -> None:
+        keep = 1.0 - smoothing if self.count else 0.0
+        self.weight = self.weight * keep + 1.0
+        self.sx = self.sx * keep + x
+        self.sy = self.sy * keep + y
+        self.sxx = self.sxx * keep + x * x
+        self.sxy = self.sxy * keep + x * y
+        self.count += 1
+
+    def solve(self) -> tuple[float, float] | None:
+        """``(intercept, slope)`` with both >= 0, or None while the x values barely differ."""
+        if self.count < 2:
+            return None
+        mean_x, mean_y = self.sx / self.weight, self.sy / self.weight
+        var_x = self.sxx / self.weight - mean_x * mean_x
+        if var_x <= 0 or var_x ** 0.5 < MIN_RELATIVE_SPREAD * abs(mean_x):
+            return None
+        slope = (self.sxy / self.weight - mean_x * mean_y) / var_x
+        if slope <= 0:
+            return None
+        return max(0.0, mean_y - slope * mean_x), slope
 
 
 @dataclass
 class RateBook:
-    """Per-tier read rates and latencies, and the model's prefill rate (tokens/s)."""
+    """Per-tier ``(read bytes/s, fixed seconds per load)``, and the model's prefill rate
+    (tokens/s) and fixed cost per forward (s)."""
 
     rates: dict[str, tuple[float, float]] = field(default_factory=lambda: dict(DEFAULT_RATES))
     prefill_tokens_per_s: float | None = None
+    prefill_fixed_s: float = 0.0
+    load_fits: dict[str, LineFit] = field(default_factory=dict)
+    prefill_fit: LineFit = field(default_factory=LineFit)
 
     @classmethod
     def for_device(cls, device: str) -> RateBook:
@@ -45,13 +91,35 @@ class RateBook:
         return book
 
     def observe(self, tier: str, nbytes: int, seconds: float) -> None:
+        """A finished IO job or copy: ``nbytes`` read in ``seconds`` (bandwidth only)."""
         if nbytes <= 0 or seconds <= 0:
             return
-        rate, latency = self.rates[tier]
-        self.rates[tier] = (rate + SMOOTHING * (nbytes / seconds - rate), latency)
+        rate, fixed = self.rates[tier]
+        self.rates[tier] = (rate + SMOOTHING * (nbytes / seconds - rate), fixed)
+
+    def observe_load(self, tier: str, nbytes: int, seconds: float) -> None:
+        """A whole load from ``tier``: ``nbytes`` on the device ``seconds`` after it began.
+        Learns the tier's fixed cost per load (and its bandwidth, once sizes differ)."""
+        if nbytes <= 0 or seconds <= 0:
+            return
+        fit = self.load_fits.setdefault(tier, LineFit())
+        fit.add(float(nbytes), seconds)
+        rate, fixed = self.rates[tier]
+        solved = fit.solve()
+        if solved is not None:
+            self.rates[tier] = (1.0 / solved[1], solved[0])
+            return
+        beyond = max(0.0, seconds - nbytes / rate)  # what the bandwidth does not explain
+        self.rates[tier] = (rate, beyond if fit.count == 1 else fixed + SMOOTHING * (beyond - fixed))
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         if tokens <= 0 or seconds <= 0:
+            return
+        self.prefill_fit.add(float(tokens), seconds)
+        solved = self.prefill_fit.solve()
+        if solved is not None:
+            self.prefill_fixed_s, per_token = solved
+            self.prefill_tokens_per_s = 1.0 / per_token
             return
         seen = tokens / seconds
         old = self.prefill_tokens_per_s
@@ -59,7 +127,8 @@ class RateBook:
 
 
 def plan_split(hit: Hit, book: RateBook, bytes_per_token: int) -> int:
-    """Tokens at the head of ``hit`` to recompute rather than load (a page multiple)."""
+    """Tokens at the head of ``hit`` to recompute rather than load (a page multiple): 0 (load
+    everything), ``hit.tokens`` (recompute everything: loading cannot win), or a split."""
     prefill = book.prefill_tokens_per_s
     page = hit.page_size
     device_tokens = hit.reach("device") * page
@@ -72,10 +141,11 @@ def plan_split(hit: Hit, book: RateBook, bytes_per_token: int) -> int:
             rate, tier_latency = book.rates[tier]
             load_s += tokens / load_tokens_per_s(rate, bytes_per_token)
             latency = max(latency, tier_latency)
-    load_all_s = latency + load_s
     moving = hit.tokens - device_tokens
     effective = moving / load_s if load_s > 0 else float("inf")
-    split = split_hit(hit.tokens, effective, prefill, page, latency)
-    if split.recompute_tokens <= device_tokens or split.time_s >= load_all_s:
+    split = split_hit(hit.tokens, effective, prefill, page, latency, book.prefill_fixed_s)
+    if split.recompute_tokens >= split.hit_tokens and device_tokens == 0:
+        return split.hit_tokens
+    if split.recompute_tokens <= device_tokens or split.time_s >= split.load_all_s:
         return 0
     return split.recompute_tokens

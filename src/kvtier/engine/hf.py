@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from kvtier.engine import kv_pages
 from kvtier.engine.presets import ModelSource, resolve_model
 from kvtier.errors import ConfigError
 from kvtier.layout import KVLayout
@@ -82,9 +83,10 @@ class CausalLM:
         return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
 
     def new_cache(self) -> Any:
+        """An empty ``DynamicCache`` whose layers grow in place (``kv_pages.RoomyLayer``)."""
         from transformers import DynamicCache
 
-        return DynamicCache(config=self.config)
+        return kv_pages.roomy_layers(DynamicCache(config=self.config))
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, cache: Any, *, all_logits: bool = False) -> torch.Tensor:

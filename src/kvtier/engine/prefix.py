@@ -41,6 +41,8 @@ SPLITS = ("plan", "load", "recompute")
 STORE_TIERS = ("disk", "remote")
 #: Shorter cold prefills are not reported to the planner: fixed per-call costs dominate them.
 MIN_OBSERVED_PREFILL_TOKENS = 256
+#: Room left in a hit's gathered KV for generated tokens (past the rest of the prompt).
+DECODE_ROOM_TOKENS = 256
 
 
 @dataclass
@@ -110,7 +112,8 @@ class PrefixCache:
         state = PrefixState(salt, loaded)
         try:
             state.span = span = self._usable_span(loaded, head)
-            past = head + kv_pages.append_pages(kv, self.pool, span[2]) if span else head
+            room = len(prompt) - span[1] + DECODE_ROOM_TOKENS if span else 0
+            past = head + kv_pages.append_pages(kv, self.pool, span[2], room) if span else head
             reused = past - head
             if past >= len(prompt):  # the last position must run to give the first token
                 kv.crop(len(prompt) - 1 - past)

@@ -5,8 +5,11 @@ Owns ``PageMover``: ``load``/``save`` address pages by their first token slot in
 tensors (SGLang's generic ``batch_get``/``batch_set``). Canonical pages whose bytes are contiguous
 in the pool are handed to the stores as views of the pool itself (no copy); others go through a
 page-aligned staging buffer, one per calling thread, reused across calls and reordered with one
-strided byte copy per page. Opaque pools use the pool's own flat-page methods. Runs on SGLang's prefetch
-and backup threads, several at once (staging is per thread, nothing else is mutable).
+strided byte copy per page (numpy's: it merges contiguous inner axes into row copies and never
+hands work to other threads; torch's ``copy_`` of a permuted bf16 page spread over its intra-op
+threads collapsed to ~0.1 GB/s on a busy 2-core machine, where numpy held 1-2 GB/s). Opaque
+pools use the pool's own flat-page methods. Runs on SGLang's prefetch and backup threads,
+several at once (staging is per thread, nothing else is mutable).
 """
 
 from __future__ import annotations
@@ -35,8 +38,7 @@ class PageMover:
         if self.pages.kind == "opaque":
             return self._load_opaque(keys, starts)
         if self.pages.direct:
-            views = [self._raw(self.pages.canonical_view(s)) for s in starts]
-            return self.tiers.read_into(keys, views)
+            return self.tiers.read_into(keys, self._direct(starts))
         return self._chunked(keys, starts, self._load_staged)
 
     def save(self, keys: Sequence[bytes], starts: Sequence[int]) -> list[bool]:
@@ -44,8 +46,7 @@ class PageMover:
             flats = [self.pages.pool.get_data_page(s, flat=True) for s in starts]
             return self.tiers.write(keys, [self._raw(f.contiguous()) for f in flats])
         if self.pages.direct:
-            views = [self._raw(self.pages.canonical_view(s)) for s in starts]
-            return self.tiers.write(keys, views)
+            return self.tiers.write(keys, self._direct(starts))
         return self._chunked(keys, starts, self._save_staged)
 
     # ---- flat pages (generic API) ------------------------------------------------------
@@ -63,29 +64,33 @@ class PageMover:
     def _load_staged(self, keys: Sequence[bytes], starts: Sequence[int]) -> list[bool]:
         rows = self._staging(len(keys))
         found = self.tiers.read_into(keys, rows)
+        pages = self.pages
         for ok, row, start in zip(found, rows, starts, strict=True):
             if ok:
-                _reorder(self.pages.canonical_view(start), self.pages.as_canonical(row))
+                np.copyto(pages.canonical_bytes(pages.canonical_view(start)), pages.staged(row))
         return found
 
     def _save_staged(self, keys: Sequence[bytes], starts: Sequence[int]) -> list[bool]:
         rows = self._staging(len(keys))
+        pages = self.pages
         for row, start in zip(rows, starts, strict=True):
-            _reorder(self.pages.as_canonical(row), self.pages.canonical_view(start))
+            np.copyto(pages.staged(row), pages.canonical_bytes(pages.canonical_view(start)))
         return self.tiers.write(keys, rows)
 
     def _load_flat_staged(self, keys: Sequence[bytes], flats: Sequence[torch.Tensor]) -> list[bool]:
         rows = self._staging(len(keys))
         found = self.tiers.read_into(keys, rows)
+        pages = self.pages
         for ok, row, flat in zip(found, rows, flats, strict=True):
             if ok:
-                _reorder(self.pages.flat_canonical_view(flat), self.pages.as_canonical(row))
+                np.copyto(pages.canonical_bytes(pages.flat_canonical_view(flat)), pages.staged(row))
         return found
 
     def _save_flat_staged(self, keys: Sequence[bytes], flats: Sequence[torch.Tensor]) -> list[bool]:
         rows = self._staging(len(keys))
+        pages = self.pages
         for row, flat in zip(rows, flats, strict=True):
-            _reorder(self.pages.as_canonical(row), self.pages.flat_canonical_view(flat))
+            np.copyto(pages.staged(row), pages.canonical_bytes(pages.flat_canonical_view(flat)))
         return self.tiers.write(keys, rows)
 
     def _load_opaque(self, keys: Sequence[bytes], starts: Sequence[int]) -> list[bool]:
@@ -104,14 +109,18 @@ class PageMover:
             out += move(keys[i:i + self.chunk_pages], items[i:i + self.chunk_pages])
         return out
 
-    def _staging(self, count: int) -> list[torch.Tensor]:
-        """``count`` page-aligned uint8 rows of this thread's staging buffer."""
+    def _direct(self, starts: Sequence[int]) -> list[np.ndarray]:
+        rows, ps = self.pages.direct_rows, self.pages.page_size
+        return [rows[s // ps] for s in starts]
+
+    def _staging(self, count: int) -> list[np.ndarray]:
+        """``count`` page-aligned byte rows of this thread's staging buffer."""
         buf = getattr(self._local, "rows", None)
         if buf is None or buf.shape[0] < count:
             n = max(count, min(self.chunk_pages, 16))
-            raw = torch.empty(n * self.pages.page_bytes + _ALIGN, dtype=torch.uint8)
-            skip = (-raw.data_ptr()) % _ALIGN
-            buf = raw[skip:skip + n * self.pages.page_bytes].view(n, self.pages.page_bytes)
+            raw = np.empty(n * self.pages.page_bytes + _ALIGN, dtype=np.uint8)
+            skip = (-raw.ctypes.data) % _ALIGN
+            buf = raw[skip:skip + n * self.pages.page_bytes].reshape(n, self.pages.page_bytes)
             self._local.rows = buf
         return list(buf[:count])
 
@@ -121,13 +130,3 @@ class PageMover:
         if not tensor.is_contiguous():
             raise ValueError("a page handed to a store must be contiguous")
         return tensor.reshape(-1).view(torch.uint8)
-
-
-def _reorder(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy one page between two strided views of equal shape, as bytes, on this thread.
-
-    numpy merges the contiguous inner dimensions into row copies and never hands work to other
-    threads; torch's ``copy_`` of a permuted bf16 page splits it over its intra-op threads, which
-    collapsed to ~0.1 GB/s on a busy 2-core machine (numpy: 1-2 GB/s there).
-    """
-    np.copyto(dst.view(torch.uint8).numpy(), src.view(torch.uint8).numpy())

@@ -18,9 +18,10 @@ backup threads (read-only after construction).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvtier.layout import DTYPE_BYTES, KVLayout
@@ -44,7 +45,12 @@ class PoolPages:
     page_format: str
     dtype: torch.dtype
     layout: KVLayout | None       # the rank's share in canonical order; None when opaque
-    direct: bool = False          # canonical pages are contiguous runs of pool memory
+    #: The pool's memory as [pages, page_bytes] rows when every canonical page is one row.
+    direct_rows: np.ndarray | None = None
+
+    @property
+    def direct(self) -> bool:
+        return self.direct_rows is not None
 
     @property
     def local_heads(self) -> int | None:
@@ -68,13 +74,15 @@ class PoolPages:
         shaped = flat.view(self.dtype).reshape(self._one_page_shape())
         return _page_view(self.kind, self.pool.layout, shaped, 0, self.page_size)
 
-    def canonical_shape(self) -> tuple[int, ...]:
-        assert self.layout is not None
-        return self.layout.page_shape()
+    def canonical_bytes(self, view: torch.Tensor) -> np.ndarray:
+        """A canonical page view as a numpy byte array of the same memory (last axis in bytes)."""
+        return view.view(torch.uint8).numpy()
 
-    def as_canonical(self, raw: torch.Tensor) -> torch.Tensor:
-        """A uint8 page buffer viewed as a canonical page of the pool's dtype."""
-        return raw.view(self.dtype).view(self.canonical_shape())
+    def staged(self, row: np.ndarray) -> np.ndarray:
+        """A flat staging row of ``page_bytes`` shaped like ``canonical_bytes`` of a page."""
+        assert self.layout is not None
+        *outer, dim = self.layout.page_shape()
+        return row.reshape(*outer, dim * self.layout.itemsize)
 
     def _one_page_shape(self) -> tuple[int, ...]:
         pool, ps, layout = self.pool, self.page_size, self.pool.layout
@@ -111,8 +119,21 @@ def describe_pool(pool: Any) -> PoolPages:
     kind, layout = known
     pages = PoolPages(pool=pool, kind=kind, page_size=pool.page_size, page_bytes=layout.page_bytes,
                       page_format=layout.fingerprint(), dtype=pool.dtype, layout=layout)
-    sample = pages.canonical_view(0)
-    return PoolPages(**{**pages.__dict__, "direct": sample.is_contiguous()})
+    return replace(pages, direct_rows=_direct_rows(pages))
+
+
+def _direct_rows(pages: PoolPages) -> np.ndarray | None:
+    """The pool as [pages, page_bytes] rows if page ``p`` is exactly row ``p`` of its memory."""
+    kv, ps = pages.pool.kv_buffer, pages.page_size
+    count = kv.numel() * kv.element_size() // pages.page_bytes
+    if count < 2 or count * pages.page_bytes != kv.numel() * kv.element_size():
+        return None
+    first, second = pages.canonical_view(0), pages.canonical_view(ps)
+    base = kv.data_ptr()
+    if not (first.is_contiguous() and second.is_contiguous() and first.data_ptr() == base
+            and second.data_ptr() == base + pages.page_bytes):
+        return None
+    return kv.view(-1).view(torch.uint8).numpy().reshape(count, pages.page_bytes)
 
 
 def _canonical_layout(pool: Any) -> tuple[str, KVLayout] | None:
