@@ -132,3 +132,15 @@ def test_pages_only_in_redis_load_and_are_promoted_to_disk(backends, tmp_path, r
     assert all(reader.batch_get_v1(keys, page_slots(other_pool, [5, 6, 7])))
     assert [page_bytes(other_pool, p) for p in (5, 6, 7)] == expected
     assert reader.stats()["tiers"]["disk"]["pages"] == 3
+
+
+def test_storing_pages_the_disk_already_holds_writes_nothing(backends, disk_url):
+    pool = make_pool("mha", "page_first")
+    backend = backends(pool, disk_url)
+    fill_random(pool, seed=24)
+    keys = names(4)
+    assert all(backend.batch_set_v1(keys[:2], page_slots(pool, [0, 1])))
+    written = backend.stats()["tiers"]["disk"]["bytes_written"]
+    assert all(backend.batch_set_v1(keys, page_slots(pool, [0, 1, 2, 3])))
+    page = backend.describe()["page_bytes"]
+    assert backend.stats()["tiers"]["disk"]["bytes_written"] == written + 2 * page

@@ -46,6 +46,7 @@ def gather_pages(kv: torch.Tensor, page_ids: Sequence[int]) -> torch.Tensor:
     return chosen.reshape(layers, parts, pages * page_size, heads, dim).transpose(2, 3)
 
 
+@torch.inference_mode()  # the model's forward writes into these buffers in that mode
 def append_pages(cache: Any, kv: torch.Tensor, page_ids: Sequence[int],
                  reserve_tokens: int = 0) -> int:
     """Append the KV of ``page_ids`` (prefix order) after the tokens ``cache`` holds, with room

@@ -103,10 +103,11 @@ class PrefixCache:
         hit = self.tiered.match(prompt, salt)
         report.matched_tokens = hit.tokens
         head = self._head_tokens(hit)
+        whole = head >= hit.tokens  # nothing to load: the hit runs in the prompt's one forward
         kv = self.lm.new_cache()
-        joined = self._start_recompute(prompt[:head], kv)
+        joined = self._start_recompute(prompt[:0 if whole else head], kv)
         try:
-            loaded = self.tiered.load(hit, recompute_tokens=head) if hit.tokens > head else None
+            loaded = None if whole else self._load(hit, head)
         finally:
             joined()
         state = PrefixState(salt, loaded)
@@ -114,12 +115,13 @@ class PrefixCache:
             state.span = span = self._usable_span(loaded, head)
             room = len(prompt) - span[1] + DECODE_ROOM_TOKENS if span else 0
             past = head + kv_pages.append_pages(kv, self.pool, span[2], room) if span else head
-            reused = past - head
+            past = 0 if whole else past
+            reused = 0 if whole else past - head
             if past >= len(prompt):  # the last position must run to give the first token
                 kv.crop(len(prompt) - 1 - past)
                 reused, past = reused - (past - len(prompt) + 1), len(prompt) - 1
             logits = self.lm.forward(self._tensor(prompt[past:]), kv)
-            self._account(report, hit, head, reused, len(prompt) - past)
+            self._account(report, hit, head, reused, len(prompt) - past - (head if whole else 0))
             if reused == 0 and head == 0 and len(prompt) >= MIN_OBSERVED_PREFILL_TOKENS:
                 self._observe(len(prompt), started)
         except BaseException:
@@ -150,6 +152,21 @@ class PrefixCache:
             return 0  # from RAM loading wins outright, and the copy kernels share the GPU's SMs
         planned = int(self.tiered.plan_split(hit))
         return max(0, min(planned - planned % self.page_size, hit.tokens))
+
+    def _load(self, hit: Any, head: int) -> Any:
+        """``tiered.load`` past ``head``; a whole load with a store part is timed and reported
+        (``observe_load``: it teaches the split each tier's fixed cost per load). A split load
+        is not: on CUDA its copy waits for the head's forward."""
+        started = time.perf_counter()
+        loaded = self.tiered.load(hit, recompute_tokens=head)
+        tiers = [t for t in STORE_TIERS if hit.tokens_by_tier.get(t, 0)]
+        rates = getattr(self.tiered.controller, "rates", None)
+        moved = loaded.tokens - loaded.start_tokens
+        if head == 0 and tiers and rates is not None and moved > 0:
+            tier = max(tiers, key=lambda t: hit.tokens_by_tier[t])
+            bytes_per_token = self.lm.kv_layout(self.page_size).bytes_per_token
+            rates.observe_load(tier, moved * bytes_per_token, time.perf_counter() - started)
+        return loaded
 
     def _start_recompute(self, head: list[int], kv: Any) -> Callable[[], None]:
         """Start running the head of the hit so that it overlaps the load that follows; returns

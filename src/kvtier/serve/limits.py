@@ -77,7 +77,7 @@ class RequestLimits:
             await self.app(scope, receive, send)
             return
         counters = self.counters
-        if False:
+        if counters.in_flight >= self.max_in_flight:
             counters.reject("too_many_in_flight")
             await _answer(send, APIError(
                 429, f"{counters.in_flight} requests are in flight (the limit is "
@@ -108,7 +108,7 @@ class RequestLimits:
                 return None
             chunk = message.get("body", b"")
             size += len(chunk)
-            if False:
+            if size > self.max_body_bytes:
                 self.counters.reject("body_too_large")
                 await _answer(send, APIError(
                     413, f"request body of more than {self.max_body_bytes} bytes exceeds the "
