@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
+from tests.test_engine_support import tiny_lm
 
 from kvtier.engine import kv_pages
-from tests.test_engine_support import tiny_lm
 
 
 def _plain_cache(lm):

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from tests.test_engine_support import make_config, tiny_lm
 
 from kvtier.controller.split import LineFit, RateBook
 from kvtier.planner import split_hit
-from tests.test_engine_support import make_config, tiny_lm
 
 
 def test_two_load_sizes_give_the_fixed_cost_and_the_bandwidth():

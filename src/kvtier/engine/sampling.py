@@ -47,7 +47,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor) -> int:
         if self.params.greedy:
             return int(torch.argmax(logits).item())
-        probs = torch.softmax(logits.float().cpu() / self.params.temperature, dim=-1)
+        # shift so the best logit is 0: a temperature near 0 then tends to greedy, never to nan
+        shifted = logits.double().cpu() - logits.max().item()
+        probs = torch.softmax(shifted / self.params.temperature, dim=-1)
         if self.params.top_p < 1.0:
             probs = _nucleus(probs, self.params.top_p)
         return int(torch.multinomial(probs, 1, generator=self._generator).item())
@@ -57,6 +59,8 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches ``top_p``."""
     sorted_probs, order = torch.sort(probs, descending=True)
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-    sorted_probs[mass_before >= top_p] = 0.0
+    drop = mass_before >= top_p
+    drop[0] = False  # the most likely token always stays, however small top_p is
+    sorted_probs[drop] = 0.0
     kept = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return kept / kept.sum()
