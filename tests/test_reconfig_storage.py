@@ -12,6 +12,7 @@ from kvtier.config import build_config
 from kvtier.controller.bindings import SwapFailed
 from kvtier.controller.host_rebuild import rebuild_host_pool
 from kvtier.controller.reconfig import Busy, NotAttached, StorageAdmin, Unsupported
+from kvtier.controller.reconfig_support import redact_store_url
 from kvtier.errors import LayoutMismatch
 from kvtier.index.radix import as_token_bytes
 from kvtier.layout import KVLayout
@@ -122,6 +123,26 @@ def test_clear_empties_the_store_and_the_index_marks_but_stays_attached() -> Non
         admin.table.assert_coherent()
 
 
+def test_attach_failing_part_way_disables_the_tier_and_closes_the_new_store(monkeypatch) -> None:
+    with make_cache() as cache:  # no store yet: attaching must start the IO workers
+        admin = StorageAdmin(cache, CONFIG)
+
+        def broken(*_args, **_kwargs):
+            raise OSError("cannot start threads")
+
+        monkeypatch.setattr("kvtier.controller.workers.IOWorkers", broken)
+        name = f"memory://broken-{uuid.uuid4().hex}"
+        with pytest.raises(SwapFailed, match="cannot start threads"):
+            admin.attach("disk", name)
+        slot = admin.table.stats()["slots"]["store.disk"]
+        assert slot["failures"] == 1 and slot["disabled"].startswith("OSError")
+        assert "disk" not in cache.ctx.stores
+        admin.table.assert_coherent()
+        serve(cache, prompt(4, seed=10))  # the cache goes on without the tier
+        monkeypatch.undo()
+        assert admin.attach("disk", name)["generation"] == 3  # and the tier can come back
+
+
 def test_refusals_name_the_reason() -> None:
     with make_cache(stores={"disk": MemoryStore(LAYOUT.page_bytes)}) as cache:
         admin = StorageAdmin(cache, CONFIG)
@@ -199,3 +220,10 @@ def test_rebuild_refuses_while_host_pages_are_locked_and_changes_nothing() -> No
         assert admin.table.current("host_pool").generation == 1
         cache.ctx.unlock(node, "host")
         assert rebuild_host_pool(admin, pool_bytes=16 * LAYOUT.page_bytes)["generation"] == 2
+
+
+def test_shown_store_urls_hide_passwords_in_the_authority_and_the_query() -> None:
+    shown = redact_store_url("rediss://user:pw1@h:6380/0?ssl_password=pw2&timeout_s=0.5")
+    assert "pw1" not in shown and "pw2" not in shown
+    assert shown.startswith("rediss://user:***@h:6380/0?") and "timeout_s=0.5" in shown
+    assert redact_store_url("file:///var/cache/kvtier") == "file:///var/cache/kvtier"

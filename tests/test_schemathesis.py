@@ -15,10 +15,11 @@ from typing import Any
 
 import httpx
 import pytest
-import schemathesis
 from hypothesis import HealthCheck, settings
 
 from test_engine_support import make_config, running_server
+
+schemathesis = pytest.importorskip("schemathesis", reason="schemathesis is in the test extra")
 
 KEY = "admin-" + "s" * 26
 EXAMPLES = 5

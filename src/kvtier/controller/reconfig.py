@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvtier.config import KvtierConfig, redact_url
+from kvtier.config import KvtierConfig
 from kvtier.controller.bindings import ABSENT, BindingTable, Reader
 from kvtier.controller.reconfig_support import (
     STORE_TIERS,
@@ -38,6 +38,7 @@ from kvtier.controller.reconfig_support import (
     Unsupported,
     describe_url,
     open_tier_store,
+    redact_store_url,
     usage_and_health,
 )
 from kvtier.index.residency import TIER_INDEX
@@ -141,7 +142,7 @@ class StorageAdmin:
             raise Busy("the host tier is off (host.pool_bytes 0): stores exchange pages with the "
                        "host tier only")
         store = open_tier_store(self.config, self.ctx.device_pool.layout, tier, url, max_bytes)
-        shown = redact_url(url)
+        shown = redact_store_url(url)
 
         def disable() -> None:
             self.unbind_store(tier)

@@ -2,22 +2,24 @@
 
 Owns ``Busy``, ``NotAttached`` and ``Unsupported`` (what a refused change raises; the server maps
 them to 409, 404 and 400), ``open_tier_store`` (a store for one tier, with the config's defaults
-for that tier, as ``TieredCache.build`` opens its configured stores), ``describe_url``,
-``usage_and_health`` and ``Paused`` (keeps new IO off a store for a block). Engine thread, except
-``usage_and_health`` (any thread: stores are thread-safe).
+for that tier, as ``TieredCache.build`` opens its configured stores), ``redact_store_url`` and
+``describe_url`` (passwords, also in the query, become ``***``), ``usage_and_health`` and
+``Paused`` (keeps new IO off a store for a block). Engine thread, except ``usage_and_health``
+(any thread: stores are thread-safe).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from kvtier.config import KvtierConfig, redact_url
 from kvtier.errors import KvtierError
 
 STORE_TIERS = ("disk", "remote")
 TIER_SCHEMES = {"disk": ("file", "memory"), "remote": ("redis", "rediss", "memory")}
+SECRET_WORDS = ("password", "secret", "token")
 
 
 class Busy(KvtierError, RuntimeError):
@@ -59,11 +61,22 @@ def open_tier_store(config: KvtierConfig, layout: Any, tier: str, url: str,
     return _open_stores(tier_config, layout)[tier]
 
 
+def redact_store_url(url: str) -> str:
+    """``url`` with its password and any secret-looking query value (``ssl_password=...``)
+    replaced by ``***``."""
+    parts = urlsplit(redact_url(url))
+    if not parts.query:
+        return parts.geturl()
+    pairs = [(k, "***" if any(w in k.lower() for w in SECRET_WORDS) else v)
+             for k, v in parse_qsl(parts.query, keep_blank_values=True)]
+    return parts._replace(query=urlencode(pairs, safe="*")).geturl()
+
+
 def describe_url(store: Any) -> str:
     """A store's URL with secrets redacted, as far as the store lets us know it."""
     url = getattr(store, "url", None)
     if url:
-        return redact_url(str(url))
+        return redact_store_url(str(url))
     root = getattr(store, "root", None)
     if root is not None:
         return f"file://{root}"

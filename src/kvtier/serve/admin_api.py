@@ -71,7 +71,7 @@ class HostResizeRequest(_Body):
 
 
 def build_router(service: Any, config: KvtierConfig) -> Any:
-    from fastapi import APIRouter, Depends, Query, Request
+    from fastapi import APIRouter, Depends, Request
     from fastapi.responses import Response
 
     from kvtier.metrics import CONTENT_TYPE, render_metrics
@@ -81,13 +81,22 @@ def build_router(service: Any, config: KvtierConfig) -> Any:
     check_exposure(config)
     ops = AdminOps(service, config)
     router = APIRouter()
-    admin = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(admin_guard(config))])
 
     @router.get("/metrics", tags=["metrics"], dependencies=[Depends(metrics_guard(config))],
                 response_class=Response)
     async def metrics(request: Request) -> Response:
         snapshot = await ops.snapshot(getattr(request.app.state, "limits", None))
         return Response(render_metrics(snapshot), media_type=CONTENT_TYPE)
+
+    admin = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(admin_guard(config))])
+    _storage_routes(admin, ops)
+    _tier_routes(admin, ops)
+    router.include_router(admin)
+    return router
+
+
+def _storage_routes(admin: Any, ops: Any) -> None:
+    from fastapi import Query
 
     @admin.get("/storage")
     async def storage() -> dict[str, Any]:
@@ -109,6 +118,10 @@ def build_router(service: Any, config: KvtierConfig) -> Any:
     async def clear(body: TierRequest) -> dict[str, Any]:
         return await ops.clear(body.tier)
 
+
+def _tier_routes(admin: Any, ops: Any) -> None:
+    from fastapi import Request
+
     @admin.post("/flush")
     async def flush() -> dict[str, Any]:
         return await ops.flush()
@@ -124,6 +137,3 @@ def build_router(service: Any, config: KvtierConfig) -> Any:
     @admin.get("/bindings")
     async def bindings() -> dict[str, Any]:
         return await ops.bindings()
-
-    router.include_router(admin)
-    return router

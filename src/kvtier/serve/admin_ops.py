@@ -19,7 +19,7 @@ from kvtier.config import KvtierConfig
 from kvtier.controller.bindings import SwapFailed
 from kvtier.controller.reconfig_support import Busy, NotAttached, Unsupported
 from kvtier.engine.engine_calls import EngineStopped
-from kvtier.errors import ConfigError, LayoutMismatch, StoreUnavailable
+from kvtier.errors import ConfigError, LayoutMismatch, StoreClosed, StoreUnavailable
 from kvtier.serve.errors import APIError
 
 ENGINE_TIMEOUT_S = 60.0
@@ -29,7 +29,7 @@ _ERRORS: tuple[tuple[type[BaseException], int, str], ...] = (
     (Busy, 409, "busy"), (NotAttached, 404, "not_attached"), (Unsupported, 400, "unsupported"),
     (LayoutMismatch, 400, "layout_mismatch"), (ConfigError, 400, "invalid_store"),
     (StoreUnavailable, 503, "store_unavailable"), (SwapFailed, 500, "swap_failed"),
-    (EngineStopped, 503, "engine_stopped"),
+    (EngineStopped, 503, "engine_stopped"), (StoreClosed, 409, "store_detached"),
 )
 
 
@@ -158,7 +158,11 @@ class AdminOps:
             tiered = self.tiered
             if tiered is None:
                 return {"cache": None, "bindings": {}}
-            return {"cache": tiered.stats(), "bindings": self.storage_admin().table.stats()}
+            try:
+                bindings = self.storage_admin().table.stats()
+            except Exception as exc:  # a broken binding must not take the metrics down
+                bindings = {"problem": f"{type(exc).__name__}: {exc}"}
+            return {"cache": tiered.stats(), "bindings": bindings}
 
         try:
             snap.update(await self.on_engine(engine_part, SNAPSHOT_TIMEOUT_S))
