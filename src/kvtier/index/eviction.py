@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 import importlib
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Hashable
 from typing import Any
@@ -53,14 +54,61 @@ class EvictionPolicy(ABC):
         """Number of evictable leaves the policy holds."""
 
 
+class LeafHeap:
+    """A tier's evictable leaves ordered by a key the policy computes: lowest key goes first.
+
+    Lazy deletion keeps every operation O(log n): ``push`` adds an entry with the node's new key,
+    older entries of that node go stale, and stale entries are skipped when popped or dropped
+    when the heap is rebuilt (once it holds more than twice the live leaves). Ties go to the
+    node pushed first. Shared by every heap-ranked policy.
+    """
+
+    def __init__(self) -> None:
+        self._key: dict[Node, float] = {}
+        self._leaves: set[Node] = set()
+        self._heap: list[tuple[float, int, Node]] = []
+        self._seq = itertools.count()
+
+    def push(self, node: Node, key: float) -> None:
+        """Make ``node`` an evictable leaf ranked by ``key`` (replacing any earlier key)."""
+        self._leaves.add(node)
+        self._key[node] = key
+        heapq.heappush(self._heap, (key, next(self._seq), node))
+        if len(self._heap) > 2 * len(self._leaves) + 64:
+            self._heap = [(self._key[n], next(self._seq), n) for n in self._leaves]
+            heapq.heapify(self._heap)
+
+    def discard(self, node: Node) -> None:
+        """``node`` is no longer an evictable leaf (its key is kept for a later ``push``)."""
+        self._leaves.discard(node)
+
+    def forget(self, node: Node) -> None:
+        self._leaves.discard(node)
+        self._key.pop(node, None)
+
+    def pop_min(self) -> Node | None:
+        """Remove and return the leaf with the lowest key, or None."""
+        while self._heap:
+            key, _, node = heapq.heappop(self._heap)
+            if node in self._leaves and self._key.get(node) == key:
+                self._leaves.discard(node)
+                return node
+        return None
+
+    def __contains__(self, node: Node) -> bool:
+        return node in self._leaves
+
+    def __len__(self) -> int:
+        return len(self._leaves)
+
+
 class LRUPolicy(EvictionPolicy):
     """Least recently used leaf first: the reference every other policy is measured against.
 
     Leaves are ordered by their last ``touch``, not by when they became leaves: a parent exposed
     by its child's eviction was used no later than that child, so it is next in line, not the
     most recent. (Ordering by ``add`` time spreads evictions one page at a time over every path
-    and serves visibly less on real traces.) A heap with lazy deletion keeps ``pop_victim``
-    O(log n); stale entries are dropped when popped or when the heap is rebuilt.
+    and serves visibly less on real traces.)
     """
 
     name = "lru"
@@ -68,21 +116,13 @@ class LRUPolicy(EvictionPolicy):
     def __init__(self) -> None:
         self._clock = 0
         self._stamp: dict[Node, int] = {}
-        self._leaves: set[Node] = set()
-        self._heap: list[tuple[int, Node]] = []  # stamps are unique: nodes are never compared
+        self._leaves = LeafHeap()
 
-    def _push(self, node: Node) -> None:
+    def add(self, node: Node, pages: int) -> None:
         if node not in self._stamp:
             self._clock += 1
             self._stamp[node] = self._clock
-        heapq.heappush(self._heap, (self._stamp[node], node))
-        if len(self._heap) > 2 * len(self._leaves) + 64:
-            self._heap = [(self._stamp[n], n) for n in self._leaves]
-            heapq.heapify(self._heap)
-
-    def add(self, node: Node, pages: int) -> None:
-        self._leaves.add(node)
-        self._push(node)
+        self._leaves.push(node, self._stamp[node])
 
     def remove(self, node: Node) -> None:
         self._leaves.discard(node)
@@ -91,18 +131,13 @@ class LRUPolicy(EvictionPolicy):
         self._clock += 1
         self._stamp[node] = self._clock
         if node in self._leaves:
-            self._push(node)
+            self._leaves.push(node, self._clock)
 
     def pop_victim(self) -> Node | None:
-        while self._heap:
-            stamp, node = heapq.heappop(self._heap)
-            if node in self._leaves and self._stamp[node] == stamp:
-                self._leaves.discard(node)
-                return node
-        return None
+        return self._leaves.pop_min()
 
     def forget(self, node: Node) -> None:
-        self._leaves.discard(node)
+        self._leaves.forget(node)
         self._stamp.pop(node, None)
 
     def __len__(self) -> int:

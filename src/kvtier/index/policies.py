@@ -27,11 +27,9 @@ deletion (stale entries are skipped, and the heap is rebuilt when it outgrows th
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import math
 
-from kvtier.index.eviction import EVICTION_POLICIES, EvictionPolicy, Node
+from kvtier.index.eviction import EVICTION_POLICIES, EvictionPolicy, LeafHeap, Node
 
 
 class LRFUPolicy(EvictionPolicy):
@@ -49,10 +47,7 @@ class LRFUPolicy(EvictionPolicy):
         self._ref_tick: dict[Node, int] = {}  # last counted use
         self._count: dict[Node, float] = {}   # decayed use count at _ref_tick
         self._hits: dict[Node, int] = {}      # the node's hits when last seen
-        self._key: dict[Node, float] = {}     # key of the node's live heap entry
-        self._leaves: set[Node] = set()
-        self._heap: list[tuple[float, int, Node]] = []
-        self._seq = itertools.count()
+        self._leaves = LeafHeap()
 
     # ---- the ranking ------------------------------------------------------------------------
     def _know(self, node: Node) -> None:
@@ -78,11 +73,7 @@ class LRFUPolicy(EvictionPolicy):
         return self._ref_tick[node] + self.tau * math.log(self._count[node])
 
     def _push(self, node: Node) -> None:
-        key = self._key[node] = self.key(node)
-        heapq.heappush(self._heap, (key, next(self._seq), node))
-        if len(self._heap) > 2 * len(self._leaves) + 64:
-            self._heap = [(self._key[n], next(self._seq), n) for n in self._leaves]
-            heapq.heapify(self._heap)
+        self._leaves.push(node, self.key(node))
 
     # ---- the EvictionPolicy contract --------------------------------------------------------
     def touch(self, node: Node) -> None:
@@ -98,25 +89,21 @@ class LRFUPolicy(EvictionPolicy):
         if node not in self._count:
             self._tick += 1
             self._know(node)
-        self._leaves.add(node)
         self._push(node)
 
     def remove(self, node: Node) -> None:
         self._leaves.discard(node)
 
     def pop_victim(self) -> Node | None:
-        while self._heap:
-            key, _, node = heapq.heappop(self._heap)
-            if node in self._leaves and self._key.get(node) == key:
-                self._leaves.discard(node)
-                age = self._tick - self._ref_tick[node]
-                self.tau = age if self.tau == 0.0 else self.tau + self.smoothing * (age - self.tau)
-                return node
-        return None
+        node = self._leaves.pop_min()
+        if node is not None:
+            age = self._tick - self._ref_tick[node]
+            self.tau = age if self.tau == 0.0 else self.tau + self.smoothing * (age - self.tau)
+        return node
 
     def forget(self, node: Node) -> None:
-        self._leaves.discard(node)
-        for table in (self._ref_tick, self._count, self._hits, self._key):
+        self._leaves.forget(node)
+        for table in (self._ref_tick, self._count, self._hits):
             table.pop(node, None)
 
     def __len__(self) -> int:

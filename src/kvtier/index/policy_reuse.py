@@ -29,13 +29,11 @@ Engine thread only; no locking, no torch. ``pop_victim`` is O(log n) (heap, lazy
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from kvtier.index.eviction import EVICTION_POLICIES, EvictionPolicy, Node
+from kvtier.index.eviction import EVICTION_POLICIES, EvictionPolicy, LeafHeap, Node
 
 SIZE_BUCKETS = 8
 TURN_BUCKETS = 4
@@ -76,10 +74,7 @@ class ReuseClassPolicy(EvictionPolicy):
         self._returns: dict[tuple[int, int], float] = {}
         self._ghosts: OrderedDict[bytes, tuple[tuple[int, int], float]] = OrderedDict()
         self._next_decay = 0.0
-        self._key: dict[Node, float] = {}
-        self._leaves: set[Node] = set()
-        self._heap: list[tuple[float, int, Node]] = []
-        self._seq = itertools.count()
+        self._leaves = LeafHeap()
 
     # ---- learning --------------------------------------------------------------------------
     def _count(self, table: dict[tuple[int, int], float], klass: tuple[int, int]) -> None:
@@ -189,11 +184,7 @@ class ReuseClassPolicy(EvictionPolicy):
     # ---- the EvictionPolicy contract -------------------------------------------------------
     def _push(self, node: Node) -> None:
         run = self._runs[node]
-        key = self._key[node] = run.last_use + self._shift(run)
-        heapq.heappush(self._heap, (key, next(self._seq), node))
-        if len(self._heap) > 2 * len(self._leaves) + 64:
-            self._heap = [(self._key[n], next(self._seq), n) for n in self._leaves]
-            heapq.heapify(self._heap)
+        self._leaves.push(node, run.last_use + self._shift(run))
 
     def touch(self, node: Node) -> None:
         run = self._runs.get(node)
@@ -211,20 +202,16 @@ class ReuseClassPolicy(EvictionPolicy):
     def add(self, node: Node, pages: int) -> None:
         if node not in self._runs:
             self._runs[node] = self._birth(node, pages)
-        self._leaves.add(node)
         self._push(node)
 
     def remove(self, node: Node) -> None:
         self._leaves.discard(node)
 
     def pop_victim(self) -> Node | None:
-        while self._heap:
-            key, _, node = heapq.heappop(self._heap)
-            if node in self._leaves and self._key.get(node) == key:
-                self._leaves.discard(node)
-                self._evicted(node)
-                return node
-        return None
+        node = self._leaves.pop_min()
+        if node is not None:
+            self._evicted(node)
+        return node
 
     def _evicted(self, node: Node) -> None:
         run = self._runs[node]
@@ -245,9 +232,8 @@ class ReuseClassPolicy(EvictionPolicy):
             self._ghosts.popitem(last=False)
 
     def forget(self, node: Node) -> None:
-        self._leaves.discard(node)
+        self._leaves.forget(node)
         self._runs.pop(node, None)
-        self._key.pop(node, None)
 
     def __len__(self) -> int:
         return len(self._leaves)
