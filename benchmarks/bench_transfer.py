@@ -8,8 +8,12 @@ tiers moves whole parts) this measures, in one run on one machine:
 - gather_copy: gather on the source side, one contiguous copy, scatter on the other side;
 - ce_batch: every part in one ``cuMemcpyBatchAsync`` call (the copy engines, if the driver has it);
 - kvtier: one kvtier kernel launch (both host layouts), and one launch per layer;
+- staged: one copy-engine copy per page (``page_first`` pages are contiguous on the host) through
+  a dense device staging buffer, kvtier's kernel scattering or gathering on the device side
+  (``transfer_staged.py``);
 - duplex: a load and a store of the same size at once, with the kernels' grids split between
-  the two directions, and a kernel in one direction beside the copy engines in the other.
+  the two directions, a kernel in one direction beside the copy engines in the other, and the
+  staged copy engines both ways.
 
 The raw baselines and timers live in ``transfer_baselines.py``. Prints a table and writes JSON
 with machine info. Needs CUDA; run from the source tree:
@@ -47,6 +51,7 @@ from transfer_baselines import (
     row,
     wall_time,
 )
+from transfer_staged import staged_fns, staged_rows
 
 PROGRAM_COUNTS = (16, 66, 132, 528)
 
@@ -154,7 +159,10 @@ def _duplex_with_ce(setup: Setup, peak: float, best: dict[str, KernelConfig],
         dev = torch.empty(nbytes[0], dtype=torch.uint8, device="cuda")
         flat_load = lambda: dev.copy_(host, non_blocking=True)  # noqa: E731
         flat_store = lambda: host.copy_(dev, non_blocking=True)  # noqa: E731
-        cases = (("kernel load + batched copy-engine store", kern_load, ce_store),
+        staged_load, staged_store, _ = staged_fns(setup, ce)
+        cases = (("staged copy engines both ways", staged_load, staged_store),
+                 ("kernel load + staged copy-engine store", kern_load, staged_store),
+                 ("kernel load + batched copy-engine store", kern_load, ce_store),
                  ("batched copy-engine load + kernel store", ce_load, kern_store),
                  ("batched copy engines both ways", ce_load, ce_store),
                  ("kernel load + contiguous memcpy D2H (reference)", kern_load, flat_store),
@@ -229,6 +237,8 @@ def bench_size(kib: int, batch: int, budget: PinnedBudget, peak: dict, best: dic
     setup = Setup(kib, batch, "page_first", budget)
     for plan, key in ((setup.load, "h2d_gbs"), (setup.store, "d2h_gbs")):
         rows += one_direction(setup, plan, peak[key], best[plan.direction], args, ce)
+    if ce is not None:
+        rows += staged_rows(setup, ce, peak, args.reps)
     duplex_rows = duplex(setup, peak["duplex_gbs"], best, args, ce)
     setup.close()
     lf = Setup(kib, batch, "layer_first", budget)

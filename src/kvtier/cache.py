@@ -120,9 +120,11 @@ class TieredCache:
         """Optional: start landing the store part of ``hit`` now (e.g. while it is queued)."""
         self.controller.prefetch(hit)
 
-    def load(self, hit: Hit, *, recompute_tokens: int = 0) -> Loaded:
-        """Bring the hit (past ``recompute_tokens``) to device pages and pin them."""
-        return self.controller.load(hit, recompute_tokens)
+    def load(self, hit: Hit, *, recompute_tokens: int = 0, overlap: bool = False) -> Loaded:
+        """Bring the hit (past ``recompute_tokens``) to device pages and pin them. With
+        ``overlap`` a copy from the host tier may still be in flight on return: read layer ``l``
+        only after ``loaded.ticket.stream_wait(layer=l)`` (``loaded.ticket`` None: landed)."""
+        return self.controller.load(hit, recompute_tokens, overlap=overlap)
 
     def plan_split(self, hit: Hit) -> int:
         """Tokens at the head of the hit to recompute rather than load (planner cost model)."""

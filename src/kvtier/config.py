@@ -40,6 +40,9 @@ class EngineConfig:
                       alias="--device")
     dtype: str = opt("auto", "Model and KV dtype (auto: bfloat16 on cuda, float32 on cpu).",
                      choices=("auto", "float32", "bfloat16", "float16"), alias="--dtype")
+    attention: str = opt("kvtier", "Attention kernels: kvtier (split-KV Triton kernels for a "
+                         "few new tokens over a long past on CUDA, sdpa otherwise) or sdpa.",
+                         choices=("kvtier", "sdpa"))
     max_new_tokens: int = opt(256, "Default cap on generated tokens per request.", minimum=1)
     seed: int = opt(0, "Seed for random-weight presets, so every process builds the same model.",
                     minimum=0)

@@ -120,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         plan = _plan(args, config, scratch)
         lm = load_model(config.engine.model, device=config.engine.device,
-                        dtype=config.engine.dtype, seed=config.engine.seed)
+                        dtype=config.engine.dtype, seed=config.engine.seed,
+                        attention=config.engine.attention)
         bench = TtftRun(config, lm, plan)
         bar = _progress(bench.steps(), not args.no_progress)
         if bar is not None:

@@ -66,9 +66,9 @@ class CacheController:
                 task.held = True
                 hit._prefetch = task
 
-    def load(self, hit: Hit, recompute_tokens: int = 0) -> Loaded:
+    def load(self, hit: Hit, recompute_tokens: int = 0, *, overlap: bool = False) -> Loaded:
         self.poll()
-        loaded = self.loader.load(hit, recompute_tokens)
+        loaded = self.loader.load(hit, recompute_tokens, overlap=overlap)
         for page_id in loaded._private:
             self.private_owner[page_id] = loaded
         return loaded
@@ -138,8 +138,11 @@ class CacheController:
         if handle.released:
             return
         handle.released = True
+        if handle.ticket is not None:  # normally done: the forward that read it has finished
+            handle.ticket.wait(None)
+        self.ctx.unlock(handle._host_lock_node, "host")
         self.ctx.unlock(handle._lock_node, "device")
-        handle._lock_node = None
+        handle._lock_node = handle._host_lock_node = None
         private = sorted(handle._private)
         handle._private.clear()
         for page_id in private:

@@ -58,6 +58,11 @@ class Loaded:
     _lock_node: Any = field(default=None, repr=False)
     _private: set[int] = field(default_factory=set, repr=False)
     released: bool = False
+    #: The host -> device copy still in flight (``load(..., overlap=True)``), a per-layer
+    #: ``kvtier.transfer.copy_engine.Ticket``: consumers wait on it on the device before reading
+    #: layer ``l`` (``ticket.stream_wait(layer=l)``); None once the pages have landed.
+    ticket: Any = field(default=None, repr=False)
+    _host_lock_node: Any = field(default=None, repr=False)
 
     @property
     def pages(self) -> int:

@@ -14,6 +14,12 @@ When the engine recomputes the head of the hit (``recompute_tokens`` past the de
 only the tail beyond it is loaded, into device pages private to the returned ``Loaded`` (the
 device tier must stay prefix-closed, so they enter the index when the engine commits them).
 
+With ``overlap`` a hit served from the host tier alone is copied layer by layer and not waited
+for: the returned ``Loaded`` carries the per-layer ``Ticket`` (the model's forward waits on the
+device for each layer as it reaches it) and keeps the host pages it copies from locked until
+``release``, which first waits for the copy. A hit with pages landed from a store is still
+waited for here (its landed host pages are not locked), and so is everything on the CPU.
+
 Steps 1, 2 and 4 never raise out of ``load``: a failure there makes this rank contribute 0 pages
 to the next collective (and is counted), so every rank always makes both calls (see
 ``kvtier.controller.ranks``). Engine thread only.
@@ -50,6 +56,8 @@ class LoadPlan:
     task: PrefetchTask | None = None
     landed_ids: list[int] = field(default_factory=list)
     available: int = 0            # pages this rank could put on device
+    overlap: bool = False         # copy layer by layer and leave it in flight (host pages only)
+    ticket: Any = None            # the copy left in flight
     device_lock: Node | None = None
     host_lock: Node | None = None
 
@@ -64,8 +72,8 @@ class LoadBack:
         self.writer = writer
         self.ranks = ranks
 
-    def load(self, hit: Hit, recompute_tokens: int = 0) -> Loaded:
-        plan = LoadPlan(hit._data, hit.salt)
+    def load(self, hit: Hit, recompute_tokens: int = 0, *, overlap: bool = False) -> Loaded:
+        plan = LoadPlan(hit._data, hit.salt, overlap=overlap)
         ok = self._guard(self._prepare, plan, hit, recompute_tokens)
         agreed = self.ranks.agree(plan.available if ok else 0)
         result = self._guard(self._to_device, plan, agreed) if ok else None
@@ -134,11 +142,14 @@ class LoadBack:
         host_end = min(plan.host, end)
         sources = match.ids("host", plan.begin, host_end) if host_end > plan.begin else []
         sources += plan.landed_ids[:max(0, end - plan.store_lo)]
-        started = time.monotonic()
-        ctx.copy.load(sources, device_ids).wait(None)
-        if ctx.rates is not None:
-            ctx.rates.observe("host", len(device_ids) * ctx.device_pool.layout.page_bytes,
-                              time.monotonic() - started)
+        if plan.overlap and not plan.landed_ids and ctx.copy.asynchronous:
+            plan.ticket = ctx.copy.load_layerwise(sources, device_ids)
+        else:
+            started = time.monotonic()
+            ctx.copy.load(sources, device_ids).wait(None)
+            if ctx.rates is not None:
+                ctx.rates.observe("host", len(device_ids) * ctx.device_pool.layout.page_bytes,
+                                  time.monotonic() - started)
         ctx.count("load_back_pages_total", len(device_ids))
         self._keep_landed(plan)
         if not plan.prefix_mode:
@@ -169,6 +180,9 @@ class LoadBack:
                 start = plan.begin * ctx.page_size if keep else 0
                 loaded = Loaded((plan.begin + len(keep)) * ctx.page_size if keep else 0, keep,
                                 start, hit, None, set(keep))
+            if plan.ticket is not None:  # the copy still reads these host pages
+                loaded.ticket, loaded._host_lock_node = plan.ticket, plan.host_lock
+                plan.host_lock = None
         finally:
             ctx.unlock(plan.device_lock, "device")
             ctx.unlock(plan.host_lock, "host")

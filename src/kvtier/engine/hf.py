@@ -108,14 +108,21 @@ class CausalLM:
         return logits if all_logits else logits[-1]
 
 
-def load_model(model: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0) -> CausalLM:
-    """Build a preset (random weights from ``seed``) or load a model directory onto ``device``."""
+def load_model(model: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
+               attention: str = "kvtier") -> CausalLM:
+    """Build a preset (random weights from ``seed``) or load a model directory onto ``device``.
+    ``attention="kvtier"`` installs ``kvtier.engine.attention`` (split-KV kernels for short
+    suffixes over a long past on CUDA; transformers' sdpa for everything else)."""
     source = resolve_model(model)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     hf_model = _build(source, torch.device(device), DTYPES[dtype], seed)
     hf_model.eval()
     _check_supported(hf_model.config)
+    if attention == "kvtier" and device.startswith("cuda"):
+        from kvtier.engine import attention as split_kv
+
+        split_kv.install(hf_model)
     tokenizer = load_tokenizer(source)
     fingerprint = model_fingerprint(hf_model, seed if source.is_preset else None)
     return CausalLM(source.name, hf_model, tokenizer, torch.device(device), dtype, fingerprint,

@@ -48,26 +48,40 @@ def gather_pages(kv: torch.Tensor, page_ids: Sequence[int]) -> torch.Tensor:
 
 @torch.inference_mode()  # the model's forward writes into these buffers in that mode
 def append_pages(cache: Any, kv: torch.Tensor, page_ids: Sequence[int],
-                 reserve_tokens: int = 0) -> int:
+                 reserve_tokens: int = 0, ticket: Any = None) -> int:
     """Append the KV of ``page_ids`` (prefix order) after the tokens ``cache`` holds, with room
-    for ``reserve_tokens`` more; returns the tokens appended. Into an empty cache of
-    ``RoomyLayer``s the pages are gathered once, straight into the layers' buffers."""
+    for ``reserve_tokens`` more; returns the tokens appended.
+
+    Into an empty cache of ``RoomyLayer``s each layer's pages are gathered straight into its
+    buffers when the forward first reaches that layer. ``ticket`` (a per-layer copy still in
+    flight, ``Loaded.ticket``) makes that gather wait on the device for the layer's own copy,
+    so layer ``l`` computes while later layers are still crossing the bus."""
     if not page_ids:
         return 0
-    tokens = len(page_ids) * kv.shape[3]
+    page_size = kv.shape[3]
+    tokens = len(page_ids) * page_size
     if all(isinstance(layer, _roomy_class()) and layer.get_seq_length() == 0
            for layer in cache.layers[:kv.shape[0]]):
-        spare = -(-max(reserve_tokens, 0) // kv.shape[3])
-        padded = list(page_ids) + [page_ids[-1]] * spare  # rows past the end are room only
-        buffers = gather_pages(kv, padded)  # [layers, parts, kv_heads, tokens + room, head_dim]
-        for layer in range(buffers.shape[0]):
-            cache.layers[layer].adopt(buffers[layer, 0].unsqueeze(0),
-                                      buffers[layer, 1].unsqueeze(0), tokens)
+        capacity_pages = len(page_ids) + -(-max(reserve_tokens, 0) // page_size)
+        index = _index(page_ids, kv.device)
+        for layer in range(kv.shape[0]):
+            cache.layers[layer].adopt_pages(kv[layer], index, capacity_pages, ticket, layer)
         return tokens
+    if ticket is not None:
+        ticket.stream_wait()
     gathered = gather_pages(kv, page_ids)
     for layer in range(gathered.shape[0]):
         cache.update(gathered[layer, 0].unsqueeze(0), gathered[layer, 1].unsqueeze(0), layer)
     return tokens
+
+
+def materialize(cache: Any) -> None:
+    """Gather every layer still waiting for its pages (before reading the cache outside a
+    forward, e.g. to crop it)."""
+    for layer in cache.layers:
+        fill = getattr(layer, "fill_pending", None)
+        if fill is not None:
+            fill()
 
 
 #: Spare tokens a ``RoomyLayer`` keeps when it grows: at least this, or an eighth of its length.
@@ -92,6 +106,32 @@ def _roomy_class() -> type:
 
         _key_buffer: torch.Tensor | None = None
         _value_buffer: torch.Tensor | None = None
+        _pending: tuple[Any, ...] | None = None
+
+        @torch.inference_mode()
+        def adopt_pages(self, pool_layer: torch.Tensor, index: torch.Tensor,
+                        capacity_pages: int, ticket: Any, layer: int) -> None:
+            """Hold the pages ``index`` of ``pool_layer`` (``[parts, pages, page_size, heads,
+            dim]``) as this layer's first tokens, with room up to ``capacity_pages`` pages.
+            The buffers are allocated now and filled on first use (``fill_pending``)."""
+            parts, _, page_size, heads, dim = pool_layer.shape
+            buffer = pool_layer.new_empty((parts, capacity_pages, page_size, heads, dim))
+            flat = buffer.view(parts, capacity_pages * page_size, heads, dim).transpose(1, 2)
+            self.adopt(flat[0].unsqueeze(0), flat[1].unsqueeze(0), index.numel() * page_size)
+            self._pending = (pool_layer, index, buffer, ticket, layer)
+
+        @torch.inference_mode()
+        def fill_pending(self) -> None:
+            """Gather the adopted pages into the buffers, after the layer's copy on the device."""
+            if self._pending is None:
+                return
+            pool_layer, index, buffer, ticket, layer = self._pending
+            self._pending = None
+            if ticket is not None:  # on the device: no host wait (CPU tickets have landed)
+                ticket.stream_wait(layer=layer)
+            count = index.numel()
+            for part in range(pool_layer.shape[0]):
+                torch.index_select(pool_layer[part], 0, index, out=buffer[part, :count])
 
         def adopt(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
             """Take ``keys``/``values`` ``[batch, heads, capacity, dim]`` as the buffers, of
@@ -102,6 +142,8 @@ def _roomy_class() -> type:
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                    **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            if self._pending is not None:
+                self.fill_pending()
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             past = self.get_seq_length()
@@ -151,6 +193,9 @@ def roomy_layers(cache: Any) -> Any:
 def cache_layer_kv(cache: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(keys, values)`` of one cache layer, each ``[1, kv_heads, tokens, head_dim]``."""
     entry = cache.layers[layer]
+    fill = getattr(entry, "fill_pending", None)
+    if fill is not None:
+        fill()
     return entry.keys, entry.values
 
 

@@ -10,7 +10,10 @@ Owns ``PrefixCache``, the engine's side of ``kvtier.cache.TieredCache``. For eac
    host) is loaded whole: loading wins outright there. ``split="load"`` never recomputes,
    ``split="recompute"`` never loads.
 3. ``load`` the tail to device pages (pinned by the returned ``Loaded``) and append their KV to
-   the model's cache after the recomputed head.
+   the model's cache after the recomputed head. On CUDA a hit from the host tier is not waited
+   for (``overlap``): its copy runs layer by layer on a side stream while the forward runs, each
+   layer waiting on the device for its own pages only, so TTFT is about the copy time, not the
+   copy plus the forward.
 4. Prefill the remaining tokens (at least one: the last position's logits choose the first
    token), write every full page the device tier does not hold into fresh device pages,
    ``commit`` them all under the write policy, and release the pins.
@@ -59,11 +62,13 @@ class PrefixState:
 class PrefixCache:
     """Serves prefills from a ``TieredCache``; see the module docstring."""
 
-    def __init__(self, lm: CausalLM, tiered: Any, *, split: str = "plan") -> None:
+    def __init__(self, lm: CausalLM, tiered: Any, *, split: str = "plan",
+                 overlap: bool = True) -> None:
         self.lm = lm
         self.tiered = tiered
         self.page_size = int(tiered.page_size)
         self.split = split
+        self.overlap = overlap  # load host hits layer by layer under the forward
         layout = lm.kv_layout(self.page_size)
         kv_pages.check_pool(tiered.device_pool.kv, layout.num_layers, layout.num_kv_heads,
                             layout.head_dim, lm.dtype)
@@ -114,13 +119,17 @@ class PrefixCache:
         try:
             state.span = span = self._usable_span(loaded, head)
             room = len(prompt) - span[1] + DECODE_ROOM_TOKENS if span else 0
-            past = head + kv_pages.append_pages(kv, self.pool, span[2], room) if span else head
+            ticket = getattr(loaded, "ticket", None)
+            past = head + kv_pages.append_pages(kv, self.pool, span[2], room,
+                                                ticket) if span else head
             past = 0 if whole else past
             reused = 0 if whole else past - head
             if past >= len(prompt):  # the last position must run to give the first token
                 kv.crop(len(prompt) - 1 - past)
                 reused, past = reused - (past - len(prompt) + 1), len(prompt) - 1
             logits = self.lm.forward(self._tensor(prompt[past:]), kv)
+            if ticket is not None:  # whatever runs next on this stream sees the landed pages
+                ticket.stream_wait()
             self._account(report, hit, head, reused, len(prompt) - past - (head if whole else 0))
             if reused == 0 and head == 0 and len(prompt) >= MIN_OBSERVED_PREFILL_TOKENS:
                 self._observe(len(prompt), started)
@@ -158,7 +167,7 @@ class PrefixCache:
         (``observe_load``: it teaches the split each tier's fixed cost per load). A split load
         is not: on CUDA its copy waits for the head's forward."""
         started = time.perf_counter()
-        loaded = self.tiered.load(hit, recompute_tokens=head)
+        loaded = self.tiered.load(hit, recompute_tokens=head, overlap=self.overlap and head == 0)
         tiers = [t for t in STORE_TIERS if hit.tokens_by_tier.get(t, 0)]
         rates = getattr(self.tiered.controller, "rates", None)
         moved = loaded.tokens - loaded.start_tokens

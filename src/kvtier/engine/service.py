@@ -40,7 +40,8 @@ class EngineService:
         """Load the model (unless given) and the cache the config asks for; ``split`` chooses
         how a hit is served (``plan``: the planner's load/recompute split)."""
         lm = lm or load_model(config.engine.model, device=config.engine.device,
-                              dtype=config.engine.dtype, seed=config.engine.seed)
+                              dtype=config.engine.dtype, seed=config.engine.seed,
+                              attention=config.engine.attention)
         prefix_cache = None
         if config.cache.enabled:
             from kvtier.engine.prefix import PrefixCache

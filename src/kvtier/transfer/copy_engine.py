@@ -138,6 +138,11 @@ class CopyEngine:
     def uses_kernels(self) -> bool:
         return self._use_kernels
 
+    @property
+    def asynchronous(self) -> bool:
+        """Whether copies run on side streams and may still be in flight after a submit."""
+        return bool(self._streams)
+
     def load(self, host_ids: Any, device_ids: Any, layers: Layers = None) -> Ticket:
         """Copy pages ``host_ids[i]`` of the host pool to ``device_ids[i]`` of the device pool
         (all layers, or a contiguous ``layers`` range), in one launch."""

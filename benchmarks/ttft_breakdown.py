@@ -1,0 +1,252 @@
+"""Where a hit's time to first token goes: the engine's phases, timed one by one on a real model.
+
+For each prefix length this runs, through ``PrefixCache`` directly (no scheduler, no HTTP):
+recompute (kvtier off), a device hit, a host hit loaded under the forward (``overlap``) and one
+waited for whole, each with a fresh 32-token suffix, median of ``--repeats``. For every hit it
+reports the host time spent in match, load, append and the forward's launches, and the rest
+(the device finishing the work the host queued). It also times the suffix forward alone on a
+plain transformers cache: launch time (until ``forward`` returns) and the device total, which
+is the floor any hit pays. Optionally writes a torch profiler table of one host hit.
+
+``PYTHONPATH=src python benchmarks/ttft_breakdown.py --model llama3-8b-shape --device cuda
+--prefix-tokens 4096,32768 --out results/ttft_breakdown.json``. Main thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtier.config import build_config
+from kvtier.engine import kv_pages
+from kvtier.engine.hf import load_model
+from kvtier.engine.prefix import PrefixCache
+from kvtier.engine.request import PrefillReport
+from kvtier.machine import format_table, write_report
+
+PHASES = ("match", "load", "append", "forward_launch")
+
+
+def _sync(lm: Any) -> None:
+    if lm.device.type == "cuda":
+        torch.cuda.synchronize(lm.device)
+
+
+class PhaseClock:
+    """Wraps the prefill's calls and adds up the host seconds each takes."""
+
+    def __init__(self, cache: PrefixCache) -> None:
+        self.spent = dict.fromkeys(PHASES, 0.0)
+        tiered, lm = cache.tiered, cache.lm
+        self._undo = [(tiered, "match", tiered.match), (tiered, "load", tiered.load),
+                      (kv_pages, "append_pages", kv_pages.append_pages),
+                      (lm, "forward", lm.forward)]
+        tiered.match = self._wrap("match", tiered.match)
+        tiered.load = self._wrap("load", tiered.load)
+        kv_pages.append_pages = self._wrap("append", kv_pages.append_pages)
+        lm.forward = self._wrap("forward_launch", lm.forward)
+
+    def _wrap(self, phase: str, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.spent[phase] += time.perf_counter() - start
+        return timed
+
+    def close(self) -> None:
+        for owner, name, fn in self._undo:
+            if owner is kv_pages:
+                setattr(owner, name, fn)
+            else:  # the wrapper shadowed a method on the instance
+                owner.__dict__.pop(name, None)
+
+
+def hit_once(cache: PrefixCache, prompt: list[int]) -> dict[str, float]:
+    """One prefill through the cache to its first token, phase by phase (seconds)."""
+    _sync(cache.lm)
+    clock = PhaseClock(cache)
+    report = PrefillReport(len(prompt))
+    start = time.perf_counter()
+    try:
+        kv, logits, state = cache.prefill(prompt, None, report)
+        int(torch.argmax(logits).item())
+        total = time.perf_counter() - start
+    finally:
+        clock.close()
+    cache.commit_prompt(state, prompt, kv)
+    cache.settle()
+    out = {"total": total, **clock.spent, "cached": report.cached_tokens}
+    out["device_tail"] = total - sum(clock.spent[p] for p in PHASES)
+    return out
+
+
+def same_logits(cache: PrefixCache, prompt: list[int]) -> dict[str, float]:
+    """The last logits of one prompt served as a device hit, a host hit loaded under the forward
+    and one waited for: the KV bytes are the same, so the logits must be identical."""
+    logits = {}
+    hit_once(cache, prompt)
+    for name, drop, overlap in (("device", (), True), ("host overlapped", ("device",), True),
+                                ("host waited", ("device",), False)):
+        cache.overlap = overlap
+        if drop:
+            cache.drop_tiers(drop)
+        kv, out, state = cache.prefill(prompt, None, PrefillReport(len(prompt)))
+        logits[name] = out.clone()
+        cache.commit_prompt(state, prompt, kv)
+        cache.settle()
+    cache.overlap = True
+    return {name: float((value - logits["device"]).abs().max()) for name, value in logits.items()}
+
+
+def recompute_once(lm: Any, prompt: list[int]) -> float:
+    _sync(lm)
+    start = time.perf_counter()
+    cache = lm.new_cache()
+    logits = lm.forward(torch.tensor(prompt, device=lm.device), cache)
+    int(torch.argmax(logits).item())
+    return time.perf_counter() - start
+
+
+def suffix_alone(lm: Any, prefix: list[int], suffix: list[int], repeats: int) -> dict[str, float]:
+    """The suffix forward on a plain transformers cache holding ``prefix``: launch and total."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=lm.config)
+    lm.forward(torch.tensor(prefix, device=lm.device), cache)
+    launches, totals = [], []
+    tokens = torch.tensor(suffix, device=lm.device)
+    for _ in range(repeats + 1):
+        _sync(lm)
+        start = time.perf_counter()
+        logits = lm.forward(tokens, cache)
+        launched = time.perf_counter() - start
+        int(torch.argmax(logits).item())
+        totals.append(time.perf_counter() - start)
+        launches.append(launched)
+        cache.crop(-len(suffix))
+    return {"launch": statistics.median(launches[1:]), "total": statistics.median(totals[1:])}
+
+
+def profile_host_hit(cache: PrefixCache, prompt: list[int], path: Path) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    cache.drop_tiers(("device",))
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        hit_once(cache, prompt)
+    table = prof.key_averages()
+    path.write_text(table.table(sort_by="self_cuda_time_total", row_limit=25) + "\n\n"
+                    + table.table(sort_by="cpu_time_total", row_limit=25) + "\n")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    flags = {"engine.model": args.model, "engine.device": args.device, "engine.dtype": args.dtype,
+             "cache.page_size": args.page_size, "host.pool_bytes": args.host_pool_bytes,
+             "host.pinned_budget_bytes": args.pinned_budget_bytes}
+    config = build_config(env={}, flags=flags)
+    lm = load_model(args.model, device=args.device, dtype=args.dtype, attention=args.attention)
+    cache = PrefixCache.build(config, lm)
+    rng = random.Random(0)
+    vocab = min(int(lm.config.vocab_size), 32000)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(16, vocab) for _ in range(n)]
+
+    rows, raw = [], {}
+    try:
+        warm = tokens(512)
+        for _ in range(2):
+            hit_once(cache, warm + tokens(args.suffix))
+            cache.drop_tiers(("device",))
+            hit_once(cache, warm + tokens(args.suffix))
+        for length in args.prefix_tokens:
+            prefix = tokens(length)
+            samples: dict[str, list[dict[str, float]]] = {}
+            for _ in range(args.repeats):
+                prompt = prefix + tokens(args.suffix)
+                samples.setdefault("recompute", []).append({"total": recompute_once(lm, prompt)})
+                hit_once(cache, prompt)  # the miss path fills the tiers
+                samples.setdefault("device", []).append(hit_once(cache, prefix + tokens(args.suffix)))
+                if getattr(lm.model.config, "_attn_implementation", "") == "kvtier":
+                    lm.model.set_attn_implementation("sdpa")
+                    cache.drop_tiers(("device",))
+                    samples.setdefault("host overlapped, sdpa attention", []).append(
+                        hit_once(cache, prefix + tokens(args.suffix)))
+                    lm.model.set_attn_implementation("kvtier")
+                for overlap in (True, False):
+                    cache.overlap = overlap
+                    cache.drop_tiers(("device",))
+                    key = "host overlapped" if overlap else "host waited"
+                    samples.setdefault(key, []).append(hit_once(cache, prefix + tokens(args.suffix)))
+                cache.overlap = True
+            alone = suffix_alone(lm, prefix, tokens(args.suffix), args.repeats)
+            samples["suffix forward alone"] = [{"total": alone["total"],
+                                                "forward_launch": alone["launch"]}]
+            raw[length] = samples
+            base = statistics.median(s["total"] for s in samples["recompute"])
+            for name, runs in samples.items():
+                med = {k: statistics.median(r.get(k, 0.0) for r in runs)
+                       for k in ("total", *PHASES, "device_tail")}
+                rows.append({"prefix_tokens": length, "case": name, **med,
+                             "ratio_to_recompute": med["total"] / base})
+            print(f"{length} done", flush=True)
+        consistency = same_logits(cache, tokens(args.prefix_tokens[-1] + args.suffix))
+        print(f"max |logits - device hit's|: {consistency}", flush=True)
+        if args.profile:
+            prompt = tokens(args.prefix_tokens[-1])
+            hit_once(cache, prompt)
+            profile_host_hit(cache, prompt + tokens(args.suffix), Path(args.profile))
+    finally:
+        cache.close()
+    setup = flags | {"suffix_tokens": args.suffix, "repeats": args.repeats,
+                     "attention": args.attention}
+    return {"rows": rows, "raw": raw, "logit_gaps": consistency, "setup": setup}
+
+
+def table(summary: dict[str, Any]) -> str:
+    ms = lambda v: f"{v * 1e3:.1f}"  # noqa: E731
+    return format_table(
+        ["prefix", "case", "ttft_ms", "ratio", "match", "load", "append", "fwd_launch", "tail"],
+        [[r["prefix_tokens"], r["case"], ms(r["total"]), f"{r['ratio_to_recompute']:.3f}",
+          ms(r["match"]), ms(r["load"]), ms(r["append"]), ms(r["forward_launch"]),
+          ms(r["device_tail"])] for r in summary["rows"]])
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama3-8b-shape")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--prefix-tokens", type=lambda s: [int(x) for x in s.split(",")],
+                        default=[4096, 32768])
+    parser.add_argument("--suffix", type=int, default=32)
+    parser.add_argument("--attention", default="kvtier", choices=("kvtier", "sdpa"))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--host-pool-bytes", default="16GiB")
+    parser.add_argument("--pinned-budget-bytes", default="24GiB")
+    parser.add_argument("--profile", default="", help="write a torch profiler table here")
+    parser.add_argument("--out", default="", help="JSON path (a .txt table beside it)")
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    summary = run(args)
+    text = table(summary)
+    print(text)
+    if args.out:
+        path = write_report(args.out, "ttft_breakdown", summary)
+        path.with_suffix(".txt").write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
