@@ -9,7 +9,6 @@ Main thread.
 
 from __future__ import annotations
 
-import ctypes
 import statistics
 import time
 from collections.abc import Callable
@@ -58,54 +57,10 @@ def wall_time(fn: Callable[[], None], reps: int, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
-# ---- the copy engines through cuMemcpyBatchAsync (CUDA 12.8 ABI, asked for by version) ---------
-class _MemLocation(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-class _MemcpyAttributes(ctypes.Structure):
-    _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", _MemLocation),
-                ("dstLocHint", _MemLocation), ("flags", ctypes.c_uint)]
-
-
-def batch_memcpy_fn() -> Any:
-    lib = ctypes.CDLL("libcuda.so.1")
-    get = lib.cuGetProcAddress_v2
-    get.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int,
-                    ctypes.c_uint64, ctypes.POINTER(ctypes.c_int)]
-    pfn, status = ctypes.c_void_p(), ctypes.c_int()
-    err = get(b"cuMemcpyBatchAsync", ctypes.byref(pfn), 12080, 0, ctypes.byref(status))
-    if err or not pfn.value:
-        raise RuntimeError(f"cuGetProcAddress(cuMemcpyBatchAsync) failed: {err}/{status.value}")
-    proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                             ctypes.c_size_t, ctypes.POINTER(_MemcpyAttributes), ctypes.c_void_p,
-                             ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t), ctypes.c_void_p)
-    return proto(pfn.value)
-
-
-def part_addresses(plan: CopyPlan, src_base: int, dst_base: int) -> tuple[np.ndarray, ...]:
-    layers = np.arange(plan.layer_start, plan.layer_start + plan.layer_count, dtype=np.uint64)
-    parts = np.arange(plan.src.parts, dtype=np.uint64)
-
-    def offsets(geo: Any, ids: np.ndarray) -> np.ndarray:
-        return (ids.astype(np.uint64)[:, None, None] * np.uint64(geo.page_stride)
-                + layers[None, :, None] * np.uint64(geo.layer_stride)
-                + parts[None, None, :] * np.uint64(geo.part_stride)).reshape(-1)
-
-    srcs = offsets(plan.src, plan.src_ids) + np.uint64(src_base)
-    dsts = offsets(plan.dst, plan.dst_ids) + np.uint64(dst_base)
-    sizes = np.full(srcs.size, plan.src.part_bytes, dtype=np.uint64)
-    return dsts, srcs, sizes
-
-
-def ce_batch_copy(fn: Any, arrays: tuple[np.ndarray, ...], stream: int) -> None:
-    dsts, srcs, sizes = arrays
-    attrs = _MemcpyAttributes(1, _MemLocation(0, 0), _MemLocation(0, 0), 0)  # stream order
-    idx, fail = np.zeros(1, dtype=np.uint64), ctypes.c_size_t(0)
-    err = fn(dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, dsts.size,
-             ctypes.byref(attrs), idx.ctypes.data, 1, ctypes.byref(fail), stream)
-    if err:
-        raise RuntimeError(f"cuMemcpyBatchAsync failed with {err} at copy {fail.value}")
+# ---- the copy engines through cuMemcpyBatchAsync (kvtier.transfer.ce_batch) ----------------------
+def ce_batch_copy(batch: Any, arrays: tuple[np.ndarray, ...], stream: int) -> None:
+    """Every part of ``arrays`` (dsts, srcs, sizes) in one batched copy-engine call."""
+    batch.copy(*arrays, stream)
 
 
 # ---- one part size -------------------------------------------------------------------------------

@@ -43,6 +43,8 @@ class PhaseClock:
 
     def __init__(self, cache: PrefixCache) -> None:
         self.spent = dict.fromkeys(PHASES, 0.0)
+        self.timeline: list[tuple[str, float, float]] = []  # (phase, start, seconds)
+        self.origin = time.perf_counter()
         tiered, lm = cache.tiered, cache.lm
         self._undo = [(tiered, "match", tiered.match), (tiered, "load", tiered.load),
                       (kv_pages, "append_pages", kv_pages.append_pages),
@@ -58,7 +60,9 @@ class PhaseClock:
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.spent[phase] += time.perf_counter() - start
+                took = time.perf_counter() - start
+                self.spent[phase] += took
+                self.timeline.append((phase, round(start - self.origin, 5), round(took, 5)))
         return timed
 
     def close(self) -> None:
@@ -83,7 +87,8 @@ def hit_once(cache: PrefixCache, prompt: list[int]) -> dict[str, float]:
         clock.close()
     cache.commit_prompt(state, prompt, kv)
     cache.settle()
-    out = {"total": total, **clock.spent, "cached": report.cached_tokens}
+    out = {"total": total, **clock.spent, "cached": report.cached_tokens,
+           "recomputed_hit": report.recomputed_hit_tokens, "timeline": clock.timeline}
     out["device_tail"] = total - sum(clock.spent[p] for p in PHASES)
     return out
 
@@ -135,6 +140,33 @@ def suffix_alone(lm: Any, prefix: list[int], suffix: list[int], repeats: int) ->
     return {"launch": statistics.median(launches[1:]), "total": statistics.median(totals[1:])}
 
 
+def swap_copy_path(cache: PrefixCache, path: str) -> None:
+    """Serve host -> device copies through the kernels or the copy engines from now on."""
+    from kvtier.transfer import CopyEngine
+
+    ctx = cache.tiered.ctx
+    cache.settle()
+    ctx.copy = CopyEngine(ctx.device_pool, ctx.host_pool, path=path)
+
+
+def disk_cases(cache: PrefixCache, prefix: list[int], tokens: Any, args: argparse.Namespace,
+               samples: dict[str, list[dict[str, float]]]) -> None:
+    """A hit only the (cold) disk holds: loaded whole, then split with recompute as planned."""
+    from kvtier.engine.coldcache import drop_page_cache
+
+    for split in ("load", "plan"):
+        for _ in range(args.repeats):
+            cache.drop_tiers(("device", "host"))
+            drop_page_cache(args.disk, whole_machine=True)
+            cache.split = split
+            try:
+                one = hit_once(cache, prefix + tokens(args.suffix))
+            finally:
+                cache.split = "plan"
+            samples.setdefault(f"disk cold, split={split}", []).append(one)
+    samples["disk cold, split=load"][-1]["rates"] = cache.stats().get("rates")
+
+
 def profile_host_hit(cache: PrefixCache, prompt: list[int], path: Path) -> None:
     from torch.profiler import ProfilerActivity, profile
 
@@ -149,7 +181,8 @@ def profile_host_hit(cache: PrefixCache, prompt: list[int], path: Path) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     flags = {"engine.model": args.model, "engine.device": args.device, "engine.dtype": args.dtype,
              "cache.page_size": args.page_size, "host.pool_bytes": args.host_pool_bytes,
-             "host.pinned_budget_bytes": args.pinned_budget_bytes}
+             "host.pinned_budget_bytes": args.pinned_budget_bytes, "store.disk_url": args.disk,
+             "controller.prefetch_policy": "wait_complete"}
     config = build_config(env={}, flags=flags)
     lm = load_model(args.model, device=args.device, dtype=args.dtype, attention=args.attention)
     cache = PrefixCache.build(config, lm)
@@ -180,12 +213,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     samples.setdefault("host overlapped, sdpa attention", []).append(
                         hit_once(cache, prefix + tokens(args.suffix)))
                     lm.model.set_attn_implementation("kvtier")
+                if cache.tiered.ctx.copy.asynchronous:
+                    swap_copy_path(cache, "copy_engine")
+                    cache.drop_tiers(("device",))
+                    samples.setdefault("host overlapped, copy engines", []).append(
+                        hit_once(cache, prefix + tokens(args.suffix)))
+                    swap_copy_path(cache, "kernel")
                 for overlap in (True, False):
                     cache.overlap = overlap
                     cache.drop_tiers(("device",))
                     key = "host overlapped" if overlap else "host waited"
                     samples.setdefault(key, []).append(hit_once(cache, prefix + tokens(args.suffix)))
                 cache.overlap = True
+            if args.disk:
+                disk_cases(cache, prefix, tokens, args, samples)
             alone = suffix_alone(lm, prefix, tokens(args.suffix), args.repeats)
             samples["suffix forward alone"] = [{"total": alone["total"],
                                                 "forward_launch": alone["launch"]}]
@@ -232,6 +273,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--host-pool-bytes", default="16GiB")
     parser.add_argument("--pinned-budget-bytes", default="24GiB")
+    parser.add_argument("--disk", default="", help="a file:// URL: add cold-disk hits")
     parser.add_argument("--profile", default="", help="write a torch profiler table here")
     parser.add_argument("--out", default="", help="JSON path (a .txt table beside it)")
     return parser.parse_args()

@@ -126,3 +126,41 @@ def test_engine_thread_serves_interleaved_requests_sharing_a_prefix():
     assert [tokens for tokens, _ in results] == wants
     assert again[0] == wants[0] and again[1].prefill.cached_tokens == 48
     assert all(isinstance(t, int) for t in torch.tensor(wants[0]).tolist())
+
+
+def test_a_split_starts_the_store_reads_before_the_head_forward(tmp_path):
+    lm = tiny_lm()
+    cache = build(lm, 16, tmp_path, disk=True)
+    prompt = _prompt(16 * 8 + 3, 21)
+    want = reference(lm, prompt)
+    try:
+        through(cache, prompt)
+        cache.drop_tiers(("device", "host"))
+        rates = cache.tiered.controller.rates
+        rates.rates["disk"] = (lm.kv_layout(16).bytes_per_token * 5000.0, 0.0)
+        rates.prefill_tokens_per_s = 5000.0  # loading as slow as recomputing: split in half
+        order: list[str] = []
+        prefetch, forward = cache.tiered.prefetch, lm.forward
+
+        def early(hit, **kwargs):
+            order.append("prefetch")
+            return prefetch(hit, **kwargs)
+
+        def run(tokens, kv, **kwargs):
+            order.append(f"forward {tokens.shape[0]}")
+            return forward(tokens, kv, **kwargs)
+
+        cache.tiered.prefetch, lm.forward = early, run
+        submitted = []
+        workers = cache.tiered.ctx.workers
+        submit = workers.submit
+        workers.submit = lambda job: submitted.append(job) or submit(job)
+        got = through(cache, prompt)
+        head = got.report.recomputed_hit_tokens
+        assert 0 < head < 128
+        assert order[:2] == ["prefetch", f"forward {head}"]
+        assert got.tokens == want.tokens
+        assert len(submitted) == 1  # the load used the early reads, it did not start again
+    finally:
+        del lm.forward
+        cache.close()

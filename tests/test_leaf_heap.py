@@ -46,3 +46,15 @@ def test_many_rekeys_match_a_sorted_model_through_rebuilds():
     assert len(heap) == len(model)
     popped = [heap.pop_min() for _ in range(len(model))]
     assert popped == sorted(model, key=model.get) and heap.pop_min() is None
+
+
+def test_peek_shows_the_lowest_live_leaf_without_taking_it():
+    heap = LeafHeap()
+    assert heap.peek_min() is None
+    heap.push("a", 1.0)
+    heap.push("b", 2.0)
+    heap.push("a", 3.0)                       # a's first entry is stale now
+    assert heap.peek_min() == (2.0, "b") and len(heap) == 2
+    heap.discard("b")
+    assert heap.peek_min() == (3.0, "a")
+    assert heap.pop_min() == "a" and heap.peek_min() is None

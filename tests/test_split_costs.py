@@ -67,3 +67,28 @@ def _serve(cache, prompt, report_cls):
     cache.commit_prompt(state, prompt, kv)
     cache.settle()
     return report
+
+
+def test_superlinear_prefills_are_fitted_and_make_long_splits_recompute_more():
+    book = RateBook()
+    for tokens in (4096, 16384, 32768, 4096, 16384, 32768):
+        book.observe_prefill(tokens, 0.01 + 2.7e-5 * tokens + 4.3e-10 * tokens * tokens)
+    a, b, c = book.prefill_curve.solve()
+    assert a == pytest.approx(0.01, abs=1e-4)
+    assert b == pytest.approx(2.7e-5, rel=1e-3) and c == pytest.approx(4.3e-10, rel=1e-3)
+    timed = book.prefill_time()
+    linear = split_hit(32768, 6200, 32768 / timed(32768), page_size=64)
+    curved = split_hit(32768, 6200, 32768 / timed(32768), page_size=64, prefill_time=timed)
+    # the head of a long prompt is cheaper than its share of the whole: recompute more of it
+    assert curved.recompute_tokens > linear.recompute_tokens
+    assert curved.time_s < curved.recompute_all_s == pytest.approx(timed(32768))
+    head = curved.recompute_tokens
+    crossing = [r for r in range(0, 32768, 64) if timed(r) > (32768 - r) / 6200][0]
+    assert head in (crossing - 64, crossing)  # the split point: both finish about together
+
+
+def test_prefills_of_one_length_do_not_give_a_curve():
+    book = RateBook()
+    for _ in range(5):
+        book.observe_prefill(4096, 0.12)
+    assert book.prefill_time() is None

@@ -196,3 +196,37 @@ def test_gpu_processes_compiling_at_once_share_one_cache(tmp_path: Path) -> None
     entries = [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
     assert entries and all(not c.name.startswith("tmp") for e in entries for c in e.iterdir())
     assert list((tmp_path / ".kvtier-tmp").iterdir()) == []
+
+
+@pytest.mark.parametrize("layers", [None, range(1, 3)])
+def test_gpu_copy_engine_path_matches_the_kernels_in_duplex(layers) -> None:
+    layout = LAYOUTS["bf16_64k"]  # pages of 1 MiB; 2.5 MiB of staging: the batch goes in chunks
+    dev, host = make_pools(layout, 64, 64, "page_first", device="cuda", seed=12)
+    want_dev, want_host = make_pools(layout, 64, 64, "page_first", seed=12)
+    engine = CopyEngine(dev, host, path="copy_engine", staging_bytes=5 * layout.page_bytes // 2)
+    assert engine.path == "copy_engine", engine.stats().get("path_fallback")
+    torch.cuda._sleep(20_000_000)  # the compute stream is busy: the store must wait for it
+    dev.kv[:, :, 3].fill_(5.0)
+    want_dev.kv[:, :, 3].fill_(5.0)
+    load = engine.load(list(range(0, 32)), list(range(32, 64)), layers=layers)
+    store = engine.store(list(range(0, 32)), list(range(32, 64)), layers=layers)
+    assert load.wait(30.0) and store.wait(30.0)
+    oracle = CopyEngine(want_dev, want_host)
+    oracle.load(list(range(0, 32)), list(range(32, 64)), layers=layers)
+    oracle.store(list(range(0, 32)), list(range(32, 64)), layers=layers)
+    got, want = snapshot(dev, host), snapshot(want_dev, want_host)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_gpu_copy_engine_path_layerwise_orders_the_consumer() -> None:
+    layout = LAYOUTS["bf16_64k"]
+    dev, host = make_pools(layout, 16, 16, "page_first", device="cuda", seed=13)
+    engine = CopyEngine(dev, host, path="copy_engine", staging_bytes=layout.page_bytes)
+    host.page(2).view(torch.bfloat16).fill_(7.0)
+    ticket = engine.load_layerwise([2], [11])
+    sums = []
+    for layer in range(layout.num_layers):
+        ticket.stream_wait(layer=layer)
+        sums.append(dev.kv[layer, :, 11].float().sum())
+    assert all(float(s) == 7.0 * layout.layer_bytes / 2 for s in sums)
+    assert engine.stats()["path"] == "copy_engine"

@@ -91,7 +91,9 @@ class TieredCache:
         ctx = CacheContext(
             index=RadixIndex(layout.page_size, allocators=allocators), namespace=namespace,
             config=ctrl, device_pool=device_pool, host_pool=host_pool,
-            copy=CopyEngine(device_pool, host_pool) if host_pool is not None else None,
+            copy=CopyEngine(device_pool, host_pool, path=config.host.copy_path,
+                            staging_bytes=config.host.copy_staging_bytes)
+            if host_pool is not None else None,
             stores=dict(opened),
             rates=RateBook.for_device(device))
         if ctx.stores:
@@ -116,9 +118,10 @@ class TieredCache:
         """The prompt's cached prefix on every tier (agreed across ranks). Changes nothing."""
         return self.controller.match(tokens, salt)
 
-    def prefetch(self, hit: Hit) -> None:
-        """Optional: start landing the store part of ``hit`` now (e.g. while it is queued)."""
-        self.controller.prefetch(hit)
+    def prefetch(self, hit: Hit, *, recompute_tokens: int = 0) -> None:
+        """Optional: start landing the store part of ``hit`` (past ``recompute_tokens``) now,
+        e.g. while the request is queued or while the engine recomputes the head."""
+        self.controller.prefetch(hit, recompute_tokens)
 
     def load(self, hit: Hit, *, recompute_tokens: int = 0, overlap: bool = False) -> Loaded:
         """Bring the hit (past ``recompute_tokens``) to device pages and pin them. With

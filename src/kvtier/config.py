@@ -68,6 +68,13 @@ class HostConfig:
                                    "read ring, staging). Set it from the machine's real limit.",
                                    minimum=0, size=True)
     layout: str = opt("page_first", "Host pool layout.", choices=("page_first", "layer_first"))
+    copy_path: str = opt("kernel", "How pages cross the bus: kernel (UVA copy kernels, ~92% of the "
+                         "bus each way) or copy_engine (the GPU's copy engines through device "
+                         "staging: no SMs used, loads and stores at once reach the duplex rate; "
+                         "needs page_first and a CUDA 12.8+ driver).",
+                         choices=("kernel", "copy_engine"))
+    copy_staging_bytes: int = opt(64 << 20, "Device staging per direction for the copy_engine "
+                                  "path (at least one page).", minimum=1 << 20, size=True)
     prefetch_share: float = opt(0.5, "Share of the host pool reserved for prefetch landing; the "
                                 "rest bounds write-through staging.", minimum=0.0, maximum=1.0)
     read_ring_slots: int = opt(0, "Pinned page buffers that storage reads land in (0: planner).",

@@ -16,6 +16,7 @@ Owns two things the rest of kvtier asks before it allocates or loads:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -56,18 +57,37 @@ class HitSplit:
         return self.recompute_all_s / self.time_s if self.time_s > 0 else 1.0
 
 
-def _split_time(recompute: int, hit: int, load_rate: float, prefill_rate: float,
+PrefillTime = Callable[[int], float]
+
+
+def _split_time(recompute: int, hit: int, load_rate: float, prefill_time: PrefillTime,
                 latency_s: float, recompute_fixed_s: float = 0.0) -> float:
     loaded = hit - recompute
     if loaded == 0:
-        return recompute / prefill_rate  # the whole hit runs in the prompt's one forward
-    t_recompute = 0.0 if recompute == 0 else recompute_fixed_s + recompute / prefill_rate
+        return prefill_time(recompute)  # the whole hit runs in the prompt's one forward
+    t_recompute = 0.0 if recompute == 0 else recompute_fixed_s + prefill_time(recompute)
     t_load = math.inf if load_rate <= 0 else latency_s + loaded / load_rate
     return max(t_recompute, t_load)
 
 
+def _crossing(hit: int, page_size: int, load_rate: float, prefill_time: PrefillTime,
+              latency_s: float, recompute_fixed_s: float) -> int:
+    """The last page boundary where recomputing the head is still quicker than loading the
+    tail (recompute time grows with the head, load time shrinks: a bisection)."""
+    lo, hi = 0, hit // page_size
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        head = mid * page_size
+        if recompute_fixed_s + prefill_time(head) <= latency_s + (hit - head) / load_rate:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * page_size
+
+
 def split_hit(hit_tokens: int, load_rate: float, prefill_rate: float, page_size: int = 1,
-              latency_s: float = 0.0, recompute_fixed_s: float = 0.0) -> HitSplit:
+              latency_s: float = 0.0, recompute_fixed_s: float = 0.0,
+              prefill_time: PrefillTime | None = None) -> HitSplit:
     """Split a hit of ``hit_tokens`` (a multiple of ``page_size``) between recompute and load.
 
     ``load_rate`` is the tier's tokens per second (``load_tokens_per_s``), ``prefill_rate`` the
@@ -78,27 +98,35 @@ def split_hit(hit_tokens: int, load_rate: float, prefill_rate: float, page_size:
     ``r = P (hit + L (latency - fixed)) / (L + P)``, rounded to whichever neighbouring page
     boundary is faster. Loading nothing (the hit runs in the prompt's own forward: ``hit / P``)
     or everything are candidates too; ties favour loading.
+
+    ``prefill_time`` (seconds to prefill the first ``n`` tokens of a prompt), when given,
+    replaces ``n / prefill_rate``: attention makes prefill superlinear in the prompt length, so
+    recomputing the head of a long hit costs less than its share of the whole. The split is then
+    found by bisection.
     """
     if hit_tokens < 0 or page_size < 1:
         raise ValueError(f"hit of {hit_tokens} tokens with pages of {page_size}")
     if prefill_rate <= 0:
         raise ValueError(f"prefill rate must be > 0 tokens/s, got {prefill_rate}")
     hit = hit_tokens - hit_tokens % page_size
+    timed = prefill_time or (lambda n: n / prefill_rate)
     if load_rate <= 0:
-        ideal = float(hit)
+        lower = hit
+    elif prefill_time is not None:
+        lower = _crossing(hit, page_size, load_rate, timed, latency_s, recompute_fixed_s)
     else:
         ideal = prefill_rate * (hit + load_rate * (latency_s - recompute_fixed_s)) \
             / (load_rate + prefill_rate)
-    lower = max(0, min(hit, int(ideal // page_size) * page_size))
+        lower = max(0, min(hit, int(ideal // page_size) * page_size))
     upper = min(hit, lower + page_size)
 
     def cost(r: int) -> float:
-        return _split_time(r, hit, load_rate, prefill_rate, latency_s, recompute_fixed_s)
+        return _split_time(r, hit, load_rate, timed, latency_s, recompute_fixed_s)
 
     best = min((0, lower, upper, hit), key=lambda r: (cost(r), r))
     return HitSplit(
         hit_tokens=hit, recompute_tokens=best, load_tokens=hit - best, time_s=cost(best),
-        recompute_all_s=hit / prefill_rate, load_all_s=cost(0),
+        recompute_all_s=timed(hit), load_all_s=cost(0),
     )
 
 

@@ -51,13 +51,15 @@ class CacheController:
     def match(self, tokens: Any, salt: bytes | str | None = None) -> Hit:
         return self.lookup.match(tokens, salt)
 
-    def prefetch(self, hit: Hit) -> None:
-        """Start the store part of ``hit`` landing now (``load`` waits for it later)."""
+    def prefetch(self, hit: Hit, recompute_tokens: int = 0) -> None:
+        """Start the store part of ``hit`` past ``recompute_tokens`` landing now (``load`` with
+        the same ``recompute_tokens`` waits for it later)."""
         ctx = self.ctx
         if hit.reach("remote") <= hit.reach("host") or ctx.workers is None:
             return
         match = ctx.index.match(hit._data, hit.salt)
-        lo = max(match.depth_of("device"), match.depth_of("host"))
+        head = max(recompute_tokens, 0) // ctx.page_size
+        lo = max(match.depth_of("device"), match.depth_of("host"), head)
         hi = min(hit.pages, max(hit._store_ends))
         if lo < hi and hit._prefetch is None:
             keys = ctx.keys(match, hi)

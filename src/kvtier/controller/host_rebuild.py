@@ -102,7 +102,8 @@ def _point_readers(admin: Any, pool: Any) -> None:
     share = config.host.prefetch_share
     ctx.host_pool = pool
     ctx.index.ledgers[TIER_INDEX["host"]].allocator = pool.allocator
-    ctx.copy = CopyEngine(ctx.device_pool, pool)
+    ctx.copy = CopyEngine(ctx.device_pool, pool, path=config.host.copy_path,
+                          staging_bytes=config.host.copy_staging_bytes)
     if ctx.workers is not None:
         from kvtier.controller.workers import IOWorkers
 

@@ -15,13 +15,18 @@ overhead: queueing, the host -> device copy, bookkeeping) and its effective band
 weighted line fit of seconds against bytes (``LineFit``) once loads of different sizes were
 seen, else the time a load took beyond what the bandwidth explains. Prefills (``observe_prefill``)
 are fitted the same way: their slope is the prefill rate, their intercept the fixed cost of a
-forward of its own (what a split's separate head forward adds). Until a prefill rate is known the
-split is 0 (load everything: from RAM loading wins outright). Engine thread only; no torch.
+forward of its own (what a split's separate head forward adds). Attention makes long prefills
+superlinear, so once prefills of three clearly different lengths were seen a quadratic
+(``QuadraticFit``: fixed + per token + per token pair) prices the head instead: recomputing the
+first 24k tokens of a 32k hit costs far less than three quarters of the whole. Until a prefill
+rate is known the split is 0 (load everything: from RAM loading wins outright). Engine thread
+only; no torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvtier.controller.handles import Hit
 from kvtier.planner import load_tokens_per_s, split_hit
@@ -73,6 +78,55 @@ class LineFit:
 
 
 @dataclass
+class QuadraticFit:
+    """Exponentially weighted least squares of ``y = a + b * x + c * x**2`` (x in thousands,
+    to keep the normal equations well conditioned)."""
+
+    sums: list[float] = field(default_factory=lambda: [0.0] * 7)   # w, x..x^4, y, xy
+    sxxy: float = 0.0
+    lengths: list[float] = field(default_factory=list)              # recent x, for the spread
+
+    def add(self, x: float, y: float, smoothing: float = SMOOTHING) -> None:
+        keep = 1.0 - smoothing if self.lengths else 0.0
+        k = x / 1000.0
+        terms = (1.0, k, k * k, k ** 3, k ** 4, y, k * y)
+        self.sums = [s * keep + t for s, t in zip(self.sums, terms, strict=True)]
+        self.sxxy = self.sxxy * keep + k * k * y
+        self.lengths = (self.lengths + [k])[-16:]
+
+    def solve(self) -> tuple[float, float, float] | None:
+        """``(a, b, c)`` per token (not per thousand), or None until three clearly different
+        lengths were seen or when the fit is not increasing and convex."""
+        distinct = sorted(set(round(k, 3) for k in self.lengths))
+        if len(distinct) < 3 or distinct[-1] < 2 * distinct[0]:
+            return None
+        w, x1, x2, x3, x4, y, xy = self.sums
+        rows = [[w, x1, x2, y], [x1, x2, x3, xy], [x2, x3, x4, self.sxxy]]
+        solved = _solve3(rows)
+        if solved is None:
+            return None
+        a, b, c = solved
+        if c < 0 or b < 0:
+            return None
+        return max(0.0, a), b / 1000.0, c / 1e6
+
+
+def _solve3(rows: list[list[float]]) -> tuple[float, float, float] | None:
+    """Gaussian elimination with partial pivoting on a 3x4 augmented matrix."""
+    m = [list(r) for r in rows]
+    for col in range(3):
+        pivot = max(range(col, 3), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-12:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(3):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                m[r] = [v - f * p for v, p in zip(m[r], m[col], strict=True)]
+    return m[0][3] / m[0][0], m[1][3] / m[1][1], m[2][3] / m[2][2]
+
+
+@dataclass
 class RateBook:
     """Per-tier ``(read bytes/s, fixed seconds per load)``, and the model's prefill rate
     (tokens/s) and fixed cost per forward (s)."""
@@ -82,6 +136,7 @@ class RateBook:
     prefill_fixed_s: float = 0.0
     load_fits: dict[str, LineFit] = field(default_factory=dict)
     prefill_fit: LineFit = field(default_factory=LineFit)
+    prefill_curve: QuadraticFit = field(default_factory=QuadraticFit)
 
     @classmethod
     def for_device(cls, device: str) -> RateBook:
@@ -116,6 +171,7 @@ class RateBook:
         if tokens <= 0 or seconds <= 0:
             return
         self.prefill_fit.add(float(tokens), seconds)
+        self.prefill_curve.add(float(tokens), seconds)
         solved = self.prefill_fit.solve()
         if solved is not None:
             self.prefill_fixed_s, per_token = solved
@@ -124,6 +180,15 @@ class RateBook:
         seen = tokens / seconds
         old = self.prefill_tokens_per_s
         self.prefill_tokens_per_s = seen if old is None else old + SMOOTHING * (seen - old)
+
+
+    def prefill_time(self) -> Any:
+        """Seconds to prefill ``n`` tokens from the quadratic fit, or None until it holds."""
+        solved = self.prefill_curve.solve()
+        if solved is None:
+            return None
+        a, b, c = solved
+        return lambda n: a + b * n + c * n * n
 
 
 def plan_split(hit: Hit, book: RateBook, bytes_per_token: int) -> int:
@@ -143,7 +208,8 @@ def plan_split(hit: Hit, book: RateBook, bytes_per_token: int) -> int:
             latency = max(latency, tier_latency)
     moving = hit.tokens - device_tokens
     effective = moving / load_s if load_s > 0 else float("inf")
-    split = split_hit(hit.tokens, effective, prefill, page, latency, book.prefill_fixed_s)
+    split = split_hit(hit.tokens, effective, prefill, page, latency, book.prefill_fixed_s,
+                      prefill_time=book.prefill_time())
     if split.recompute_tokens >= split.hit_tokens and device_tokens == 0:
         return split.hit_tokens
     if split.recompute_tokens <= device_tokens or split.time_s >= split.load_all_s:

@@ -4,9 +4,11 @@ Owns ``PrefixCache``, the engine's side of ``kvtier.cache.TieredCache``. For eac
 
 1. ``match`` the prompt's full pages; the hit may sit on any tier (device, host, disk, remote).
 2. Split the hit (``plan_split``, the planner's cost model) when part of it comes from a store
-   (disk, remote): recompute its head while the tail loads, so both finish together. On CUDA
-   the recompute is queued before the load starts, so the GPU computes while the IO workers
-   read the store (on the CPU it runs on a helper thread meanwhile). A hit held in RAM (device,
+   (disk, remote): recompute its head while the tail loads, so both finish together. The tail's
+   store reads start first (``prefetch``), then the head's forward is launched (on CUDA it is
+   only queued, so the GPU computes while the IO workers read; launching a long forward takes
+   the engine thread a while), then ``load`` waits for the reads (on the CPU the head runs on a
+   helper thread meanwhile). A hit held in RAM (device,
    host) is loaded whole: loading wins outright there. ``split="load"`` never recomputes,
    ``split="recompute"`` never loads.
 3. ``load`` the tail to device pages (pinned by the returned ``Loaded``) and append their KV to
@@ -110,6 +112,8 @@ class PrefixCache:
         head = self._head_tokens(hit)
         whole = head >= hit.tokens  # nothing to load: the hit runs in the prompt's one forward
         kv = self.lm.new_cache()
+        if head and not whole:  # the store reads start before the head's forward is launched
+            self.tiered.prefetch(hit, recompute_tokens=head)
         joined = self._start_recompute(prompt[:0 if whole else head], kv)
         try:
             loaded = None if whole else self._load(hit, head)

@@ -95,6 +95,17 @@ class LeafHeap:
                 return node
         return None
 
+    def peek_min(self) -> tuple[float, Node] | None:
+        """The lowest key and its leaf, left in place (None when empty); stale entries on top
+        are dropped on the way."""
+        heap = self._heap
+        while heap:
+            key, _, node = heap[0]
+            if node in self._leaves and self._key.get(node) == key:
+                return key, node
+            heapq.heappop(heap)
+        return None
+
     def __contains__(self, node: Node) -> bool:
         return node in self._leaves
 

@@ -113,4 +113,4 @@ class LRFUPolicy(EvictionPolicy):
 EVICTION_POLICIES.setdefault("lrfu", "kvtier.index.policies:LRFUPolicy")
 
 # Policies in their own modules register themselves on import.
-from kvtier.index import policy_reuse  # noqa: E402,F401
+from kvtier.index import policy_retention, policy_reuse  # noqa: E402,F401

@@ -26,7 +26,7 @@ from kvtier.replay.simulator import ReplayConfig, ReplayResult, replay
 from kvtier.replay.timing import RecordingPolicy, time_calls
 from kvtier.replay.trace import Trace
 
-POLICIES: tuple[str, ...] = ("lru", "lrfu", "reuse")
+POLICIES: tuple[str, ...] = ("lru", "lrfu", "reuse", "retention")
 CURVE_TOKENS: tuple[int, ...] = (500_000, 1_000_000, 2_000_000, 3_000_000, 5_000_000,
                                  10_000_000, 20_000_000)
 HALF_TOKENS: tuple[int, ...] = (1_000_000, 3_000_000, 10_000_000)

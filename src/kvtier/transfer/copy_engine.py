@@ -17,6 +17,12 @@ stream calls ``ticket.stream_wait()`` (a device-side dependency, no host wait).
 ``load_layerwise`` launches one kernel per layer with an event after each, so layer ``l`` of a
 forward pass can start as soon as its own KV has arrived (``ticket.stream_wait(layer=l)``).
 
+``path="copy_engine"`` moves the bytes with the GPU's copy engines instead of the UVA kernels
+(``staged.StagedCopier``: whole-page or page-and-layer copies through a fixed device staging
+buffer per direction, ``staging_bytes`` each): no SMs used, and a load and a store at once reach
+the bus's duplex rate. It needs the ``page_first`` host layout and a driver with
+``cuMemcpyBatchAsync``; otherwise the kernels serve and ``stats()["path_fallback"]`` says why.
+
 Without CUDA (or with ``use_kernels=False``) the torch reference runs synchronously and tickets
 are done at once. Submits come from one thread (the engine thread); tickets may be polled from
 any thread.
@@ -117,7 +123,8 @@ class CopyEngine:
     """
 
     def __init__(self, device_pool: Any, host_pool: Any, *, use_kernels: bool | None = None,
-                 load_config: Any = None, store_config: Any = None) -> None:
+                 load_config: Any = None, store_config: Any = None, path: str = "kernel",
+                 staging_bytes: int = 64 << 20, batch_copy: Any = None) -> None:
         if device_pool.layout != host_pool.layout:
             raise LayoutMismatch(f"device pool {device_pool.layout.fingerprint()} vs host pool "
                                  f"{host_pool.layout.fingerprint()}")
@@ -133,6 +140,40 @@ class CopyEngine:
         self._streams = ({"load": torch.cuda.Stream(self._device),
                           "store": torch.cuda.Stream(self._device)} if on_cuda else {})
         self._counts = {"load": [0, 0, 0], "store": [0, 0, 0]}  # batches, pages, bytes
+        self._staged: dict[str, Any] = {}
+        self.path_fallback = ""
+        if path == "copy_engine":
+            self._staged, self.path_fallback = self._stage(staging_bytes, batch_copy)
+        elif path != "kernel":
+            raise ValueError(f"copy path must be 'kernel' or 'copy_engine', got {path!r}")
+
+    def _stage(self, staging_bytes: int, batch_copy: Any) -> tuple[dict[str, Any], str]:
+        """One ``StagedCopier`` per direction, or ({}, why not)."""
+        from kvtier.transfer.ce_batch import load_batch_copy
+        from kvtier.transfer.staged import StagedCopier
+
+        if self._host_pool.host_layout != "page_first":
+            return {}, "the copy-engine path needs the page_first host layout"
+        batch = batch_copy or (load_batch_copy() if self._device.type == "cuda" else None)
+        if batch is None:
+            return {}, "the CUDA driver has no cuMemcpyBatchAsync (12.8 or newer)"
+        if staging_bytes < self._device_pool.layout.page_bytes:
+            raise ValueError(f"copy staging of {staging_bytes} bytes holds no page of "
+                             f"{self._device_pool.layout.page_bytes} bytes")
+        self.batch_copy = batch
+        return {direction: StagedCopier(
+            self._device_pool.kv, self._host_pool.buffer, self._host_geo,
+            torch.empty(staging_bytes, dtype=torch.uint8, device=self._device), batch,
+            self._configs[direction]) for direction in ("load", "store")}, ""
+
+    @property
+    def path(self) -> str:
+        return "copy_engine" if self._staged else "kernel"
+
+    @property
+    def staging_bytes(self) -> int:
+        """Device bytes held for copy-engine staging (0 on the kernel path)."""
+        return sum(int(c._staging.numel()) for c in self._staged.values())
 
     @property
     def uses_kernels(self) -> bool:
@@ -176,7 +217,9 @@ class CopyEngine:
         return Ticket(plan.direction, plan.num_pages, plan.nbytes, events, spans[0][0])
 
     def _run_now(self, plan: CopyPlan) -> None:
-        if self._use_kernels:
+        if self._staged:
+            self._staged[plan.direction].run(plan)
+        elif self._use_kernels:
             from kvtier.transfer.kernels import launch_copy
 
             launch_copy(plan, self._device_pool.kv, self._host_pool.buffer,
@@ -192,10 +235,13 @@ class CopyEngine:
         stream.wait_stream(torch.cuda.current_stream(self._device))
         events = []
         with torch.cuda.stream(stream):
-            ids = upload_ids(plan, self._device) if self._use_kernels else None
+            kernels = self._use_kernels and not self._staged
+            ids = upload_ids(plan, self._device) if kernels else None
             for start, count in spans:
                 part = _with_layers(plan, start, count)
-                if self._use_kernels:
+                if self._staged:
+                    self._staged[plan.direction].run(part)
+                elif kernels:
                     launch_copy(part, self._device_pool.kv, self._host_pool.buffer,
                                 self._configs[plan.direction], ids=ids)
                 else:
@@ -208,8 +254,11 @@ class CopyEngine:
 
     def stats(self) -> dict[str, Any]:
         """Batches, pages and bytes submitted per direction, and the path in use."""
-        out: dict[str, Any] = {"path": "triton" if self._use_kernels else "torch_reference",
-                               "device": str(self._device)}
+        kind = "triton" if self._use_kernels else "torch_reference"
+        out: dict[str, Any] = {"path": "copy_engine" if self._staged else kind,
+                               "device": str(self._device), "staging_bytes": self.staging_bytes}
+        if self.path_fallback:
+            out["path_fallback"] = self.path_fallback
         for direction, (batches, pages, nbytes) in self._counts.items():
             out[f"{direction}_batches"] = batches
             out[f"{direction}_pages"] = pages

@@ -41,7 +41,11 @@ class PoolGeometry:
 
     @property
     def nbytes(self) -> int:
-        return self.num_pages * self.num_layers * self.parts * self.part_bytes
+        """Bytes from the pool's start to the end of its last part (its buffer's least size)."""
+        if self.num_pages == 0:
+            return 0
+        return self.part_offset(self.num_pages - 1, self.num_layers - 1, self.parts - 1) \
+            + self.part_bytes
 
     def part_offset(self, page: int, layer: int, part: int) -> int:
         return page * self.page_stride + layer * self.layer_stride + part * self.part_stride
