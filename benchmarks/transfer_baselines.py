@@ -58,6 +58,21 @@ def wall_time(fn: Callable[[], None], reps: int, warmup: int = 1) -> float:
 
 
 # ---- the copy engines through cuMemcpyBatchAsync (kvtier.transfer.ce_batch) ----------------------
+def part_addresses(plan: CopyPlan, src_base: int, dst_base: int) -> tuple[np.ndarray, ...]:
+    layers = np.arange(plan.layer_start, plan.layer_start + plan.layer_count, dtype=np.uint64)
+    parts = np.arange(plan.src.parts, dtype=np.uint64)
+
+    def offsets(geo: Any, ids: np.ndarray) -> np.ndarray:
+        return (ids.astype(np.uint64)[:, None, None] * np.uint64(geo.page_stride)
+                + layers[None, :, None] * np.uint64(geo.layer_stride)
+                + parts[None, None, :] * np.uint64(geo.part_stride)).reshape(-1)
+
+    srcs = offsets(plan.src, plan.src_ids) + np.uint64(src_base)
+    dsts = offsets(plan.dst, plan.dst_ids) + np.uint64(dst_base)
+    sizes = np.full(srcs.size, plan.src.part_bytes, dtype=np.uint64)
+    return dsts, srcs, sizes
+
+
 def ce_batch_copy(batch: Any, arrays: tuple[np.ndarray, ...], stream: int) -> None:
     """Every part of ``arrays`` (dsts, srcs, sizes) in one batched copy-engine call."""
     batch.copy(*arrays, stream)

@@ -169,6 +169,42 @@ def test_vectored_send_delivers_every_piece_in_order() -> None:
     assert bytes(received) == b"".join(bytes(p) for p in pieces)
 
 
+class TrickleSocket:
+    """A socket whose sendmsg takes at most ``step`` bytes a call (as a slow peer makes it)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.received = bytearray()
+
+    def gettimeout(self) -> None:
+        return None
+
+    def settimeout(self, value: float | None) -> None:
+        pass
+
+    def setsockopt(self, *args: object) -> None:
+        pass
+
+    def sendmsg(self, buffers: list) -> int:
+        room = self.step
+        for buffer in buffers:
+            data = bytes(buffer)[:room]
+            self.received += data
+            room -= len(data)
+            if not room:
+                break
+        return self.step - room
+
+
+@pytest.mark.parametrize("step", [1, 7, 1000, 1 << 20])
+def test_partial_sends_resume_where_they_stopped(step: int) -> None:
+    floats = memoryview(bytearray(range(256)) * 640).cast("f")  # items of 4 bytes
+    pieces = [b"head", floats, b"mid" * 5000, memoryview(bytes(range(256)) * 200), b"end"]
+    sock = TrickleSocket(step)
+    Channel(sock, Deadline(5)).send(pieces)  # type: ignore[arg-type]
+    assert bytes(sock.received) == b"".join(bytes(p) for p in pieces)
+
+
 class FakeClock:
     def __init__(self) -> None:
         self.now = 0.0

@@ -4,8 +4,9 @@ Owns ``RedisStore``: pages stored as Redis strings ``prefix + hex(page key)`` wh
 64-byte record header plus the payload (so a corrupt, truncated or foreign value reads as a
 counted miss), with an optional TTL. Batches are pipelined per server (``redis_ops``), page
 payloads travel between the socket and the caller's buffers without intermediate copies
-(``redis_wire``), and connections, TLS, AUTH/ACL users and Redis Cluster slot maps come from
-redis-py (``redis_nodes``; imported lazily, so ``import kvtier.store`` never needs it).
+(``redis_wire``, ``redis_pages``), replies are judged by ``redis_verify``, and connections,
+TLS, AUTH/ACL users and Redis Cluster slot maps come from redis-py (``redis_nodes``; imported
+lazily, so ``import kvtier.store`` never needs it).
 
 Outages are values: with Redis down, stalled or restarting, every call returns within
 ``timeout_s`` as misses or refused writes (counted in ``errors``), a circuit breaker per server
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from binascii import hexlify
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
@@ -27,18 +29,37 @@ from kvtier.config import redact_url
 from kvtier.errors import ConfigError, StoreUnavailable
 from kvtier.keys import KEY_BYTES
 from kvtier.store.base import Buffer, PageStore, StoreCounters, StoreStats, readable_view, writable_view
-from kvtier.store.record import HEADER_BYTES, encode_header, payload_checksum
+from kvtier.store.record import HEADER_BYTES
 from kvtier.store.redis_channel import Deadline
 from kvtier.store.redis_endpoint import MOVED_KINDS, Endpoint, EndpointDown
 from kvtier.store.redis_nodes import open_router
 from kvtier.store.redis_ops import get_pages, glob_escape, per_key, server_info, set_pages
 from kvtier.store.redis_options import RedisOptions, parse_redis_url
+from kvtier.store.redis_verify import PageJudge, Verdicts
 from kvtier.store.redis_wire import ServerError
 
 log = logging.getLogger(__name__)
 
 _CREDENTIAL_KINDS = frozenset({"NOAUTH", "WRONGPASS", "NOPERM"})
 _EVICTING_POLICIES = frozenset({"allkeys-lru", "allkeys-lfu", "allkeys-random"})
+
+
+def page_views(buffers: Sequence[Buffer], nbytes: int, *, writable: bool) -> list[memoryview]:
+    """``writable_view`` / ``readable_view`` of each buffer, with a shortcut for the usual flat
+    byte buffers (numpy uint8 rows, bytearrays); anything else, and every misfit, goes through
+    those functions (which raise the errors)."""
+    slow = writable_view if writable else readable_view
+    views = []
+    for buffer in buffers:
+        try:
+            view = memoryview(buffer)
+        except TypeError:  # a torch tensor
+            view = None
+        if (view is None or view.nbytes != nbytes or view.format != "B" or view.ndim != 1
+                or (writable and view.readonly) or not view.c_contiguous):
+            view = slow(buffer, nbytes)
+        views.append(view)
+    return views
 
 
 class EvictionTally:
@@ -76,6 +97,7 @@ class RedisStore(PageStore):
         self._counters = StoreCounters()
         self._evictions = EvictionTally()
         self._pages_per_trip = max(1, options.batch_bytes // (page_bytes + HEADER_BYTES))
+        self._judge = PageJudge(page_bytes)
 
     @classmethod
     def from_url(cls, url: str, page_bytes: int, options: dict[str, Any]) -> RedisStore:
@@ -140,11 +162,10 @@ class RedisStore(PageStore):
 
     # ---- helpers ---------------------------------------------------------------------------
     def _rkeys(self, keys: Sequence[bytes]) -> list[bytes]:
-        for key in keys:
-            if len(key) != KEY_BYTES:
-                raise ValueError(f"page keys are {KEY_BYTES} bytes, got {len(key)}")
+        for size in set(map(len, keys)) - {KEY_BYTES}:
+            raise ValueError(f"page keys are {KEY_BYTES} bytes, got {size}")
         prefix = self._prefix
-        return [prefix + bytes(key).hex().encode() for key in keys]
+        return [prefix + hexlify(key) for key in keys]
 
     def _run(self, endpoint: Endpoint | None, work: Any, deadline: Deadline) -> Any:
         """The work's replies, or None when the server failed (an outage, counted by callers)."""
@@ -183,46 +204,31 @@ class RedisStore(PageStore):
 
     def read_into(self, keys: Sequence[bytes], buffers: Sequence[Buffer]) -> list[bool]:
         self._check_batch(keys, buffers)
-        views = [writable_view(b, self.page_bytes) for b in buffers]
+        views = page_views(buffers, self.page_bytes, writable=True)
         rkeys = self._rkeys(keys)
-        found = [False] * len(keys)
+        verdicts = Verdicts(len(keys))
         deadline = Deadline(self.options.timeout_s)
-        corrupt = errors = 0
         for endpoint, idx in self._router.route(rkeys):
             work = get_pages([rkeys[i] for i in idx], [views[i] for i in idx], HEADER_BYTES,
                              self._pages_per_trip)
             replies = self._run(endpoint, work, deadline)
             if replies is None:
-                errors += len(idx)
+                verdicts.errors += len(idx)
                 continue
-            for i, reply in zip(idx, replies, strict=True):
-                verdict = self._judge(keys[i], reply, views[i])
-                found[i] = verdict == "hit"
-                corrupt += verdict == "corrupt"
-                errors += verdict == "error"
-        hits = sum(found)
-        self._counters.add(hits=hits, misses=len(keys) - hits, corrupt=corrupt, errors=errors,
-                           bytes_read=hits * self.page_bytes)
-        return found
-
-    def _judge(self, key: bytes, reply: Any, view: memoryview) -> str:
-        """hit, miss, corrupt (bad, short or foreign value) or error (a per-key error reply)."""
-        if reply is None:
-            return "miss"
-        if isinstance(reply, ServerError):
-            self._reply_problem(reply)
-            return "corrupt" if reply.kind == "WRONGTYPE" else "error"
-        if isinstance(reply, int):  # a value of another length
-            return "corrupt"
-        # The stored header must be exactly what a writer makes for this key and payload.
-        expected = encode_header(key, view, payload_checksum(view))
-        return "hit" if reply == expected else "corrupt"
+            self._judge.judge(keys, replies, views, verdicts, idx)
+        if verdicts.moved:
+            self._router.moved()
+        hits = sum(verdicts.found)
+        self._counters.add(hits=hits, misses=len(keys) - hits, corrupt=verdicts.corrupt,
+                           errors=verdicts.errors, bytes_read=hits * self.page_bytes)
+        return verdicts.found
 
     def write(self, keys: Sequence[bytes], buffers: Sequence[Buffer]) -> list[bool]:
         self._check_batch(keys, buffers)
-        payloads = [readable_view(b, self.page_bytes) for b in buffers]
+        payloads = page_views(buffers, self.page_bytes, writable=False)
         rkeys = self._rkeys(keys)
-        headers = [encode_header(bytes(k), p) for k, p in zip(keys, payloads, strict=True)]
+        header = self._judge.expected_header
+        headers = [header(k, p) for k, p in zip(keys, payloads, strict=True)]
         stored = [False] * len(keys)
         deadline = Deadline(self.options.timeout_s)
         errors = 0

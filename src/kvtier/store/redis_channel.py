@@ -1,6 +1,7 @@
 """One connection's socket, borrowed from redis-py for one call and bounded by the call's deadline.
 
-Owns ``Deadline``, ``DeadlineExceeded`` / ``NoTimeLeft`` and ``Channel``: ``recv_into`` and ``send`` (vectored
+Owns ``Deadline``, ``DeadlineExceeded`` / ``NoTimeLeft`` and ``Channel``: ``recv_into``,
+``recv_scattered`` (vectored receives into many buffers, plain TCP only) and ``send`` (vectored
 sends straight from the caller's page buffers) that never wait past the deadline. On a plain TCP
 socket the channel switches the socket to blocking mode and arms the kernel's receive and send
 timeouts (SO_RCVTIMEO / SO_SNDTIMEO) with the time left, re-arming only as the deadline nears,
@@ -18,9 +19,11 @@ import time
 from collections.abc import Sequence
 
 _COALESCE_BYTES = 32 << 10   # payloads below this are copied into one send buffer
-_MAX_IOV = 512               # buffers per sendmsg call (IOV_MAX is 1024 on Linux)
+_MAX_IOV = 512               # buffers per sendmsg / recvmsg_into call (IOV_MAX is 1024 on Linux)
 _REARM_SLACK_S = 0.005       # a kernel timeout may outlast the deadline by at most this
 _TIMEVAL = struct.Struct("@ll")
+
+MAX_VIEWS = _MAX_IOV         # buffers one ``recv_scattered`` call takes
 
 
 class DeadlineExceeded(TimeoutError):
@@ -69,6 +72,8 @@ class Channel:
         self.sock = sock
         self.deadline = deadline
         self.tls = isinstance(sock, ssl.SSLSocket)
+        #: Whether ``recv_scattered`` works here (TLS sockets cannot receive into many buffers).
+        self.scatters = not self.tls and hasattr(sock, "recvmsg_into")
         self._saved_timeout = sock.gettimeout()
         self._armed = 0.0  # seconds the kernel timeouts were last set to (0: not yet)
         if not self.tls:
@@ -95,6 +100,18 @@ class Channel:
             raise ConnectionError("server closed the connection")
         return got
 
+    def recv_scattered(self, views: Sequence[memoryview]) -> int:
+        """Receive into ``views`` (at most ``MAX_VIEWS``) in order, filling each before the
+        next; returns the byte count as soon as any bytes are there."""
+        self._arm()
+        try:
+            got = self.sock.recvmsg_into(views)[0]
+        except BlockingIOError:  # the kernel timeout fired
+            raise DeadlineExceeded("no reply before the deadline") from None
+        if got == 0:
+            raise ConnectionError("server closed the connection")
+        return got
+
     def send(self, pieces: Sequence[bytes | memoryview]) -> None:
         """Send every piece in order (vectored where the socket allows: not TLS)."""
         pieces = coalesce(pieces)
@@ -103,20 +120,25 @@ class Channel:
                 self._arm()
                 self.sock.sendall(piece)
             return
-        views = [memoryview(p).cast("B") for p in pieces]
+        # bytes as they are; anything else as a flat byte view (lengths below count bytes)
+        views = [p if type(p) is bytes else memoryview(p).cast("B") for p in pieces]
         start = 0
         while start < len(views):
             self._arm()
+            batch = views[start:start + _MAX_IOV]
             try:
-                sent = self.sock.sendmsg(views[start:start + _MAX_IOV])
+                sent = self.sock.sendmsg(batch)
             except BlockingIOError:
                 raise DeadlineExceeded("server stopped reading before the deadline") from None
+            if sent == sum(map(len, batch)):  # the usual case: all of it
+                start += len(batch)
+                continue
             while sent and start < len(views):
                 if sent >= len(views[start]):
                     sent -= len(views[start])
                     start += 1
                 else:
-                    views[start] = views[start][sent:]
+                    views[start] = memoryview(views[start])[sent:]
                     sent = 0
 
     def release(self) -> None:

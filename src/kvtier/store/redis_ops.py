@@ -2,9 +2,10 @@
 
 Each builder returns a ``work(channel, reader)`` function for ``Endpoint.run``: it pipelines its
 commands (page reads in chunks of ``batch_bytes``, the next chunk sent before the previous one is
-read), reads exactly one reply per command, and returns the replies in order. An error reply
-that means the server cannot serve (LOADING, NOAUTH, ...) is raised after the batch, so the
-call counts as an outage. Runs on the IO worker thread that called the store.
+read, the replies of a chunk taken by ``redis_pages``), reads exactly one reply per command, and
+returns the replies in order. An error reply that means the server cannot serve (LOADING,
+NOAUTH, ...) is raised after the batch, so the call counts as an outage. Runs on the IO worker
+thread that called the store.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from kvtier.store.redis_channel import Channel
 from kvtier.store.redis_endpoint import UNAVAILABLE_KINDS
+from kvtier.store.redis_pages import read_pages
 from kvtier.store.redis_wire import ReplyReader, ServerError, pack, pack_key_command
 
 
@@ -39,7 +41,7 @@ def get_pages(rkeys: Sequence[bytes], views: Sequence[memoryview], header_bytes:
         for n, (start, end) in enumerate(chunks):
             if n + 1 < len(chunks):
                 send(channel, chunks[n + 1])  # the server works on it while we read this one
-            replies.extend(reader.page(header_bytes, views[i]) for i in range(start, end))
+            replies += read_pages(reader, header_bytes, views[start:end])
         _raise_unavailable(replies)
         return replies
 
@@ -54,12 +56,14 @@ def set_pages(rkeys: Sequence[bytes], headers: Sequence[bytes], payloads: Sequen
 
     def work(channel: Channel, reader: ReplyReader) -> list[Any]:
         pieces: list[bytes | memoryview] = []
+        tail = b""  # the end of the previous command, sent with the start of this one
         for rkey, header, payload in zip(rkeys, headers, payloads, strict=True):
             size = len(header) + len(payload)
-            pieces.append(b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s"
-                          % (argc, len(rkey), rkey, size, header))
+            pieces.append(b"%s*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s"
+                          % (tail, argc, len(rkey), rkey, size, header))
             pieces.append(payload)
-            pieces.append(b"\r\n" + expiry)
+            tail = b"\r\n" + expiry
+        pieces.append(tail)
         channel.send(pieces)
         replies = reader.replies_like(len(rkeys), b"+OK\r\n")
         _raise_unavailable(replies)

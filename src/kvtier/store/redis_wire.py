@@ -7,7 +7,9 @@ ourselves lets a GET reply's payload land in the caller's buffer with one copy (
 instead of four (socket buffer, parser buffer, bytes object, caller).
 
 Invariant of ``ReplyReader``: it never holds more bytes than the line and record header of the
-next page-sized bulk reply, so a payload is always read by ``recv_into`` on the destination. It
+next page-sized bulk reply, so a payload is always read by ``recv_into`` on the destination;
+the one exception is what a bulk page reader (``redis_pages``) received past a reply it could
+not take and hands back with ``resume`` (at most one pipelined chunk). It
 consumes exactly the replies it was asked for, leaving the connection clean for the pool; on
 any exception the caller must disconnect the connection (its state is then unknown).
 
@@ -25,6 +27,7 @@ from kvtier.store.redis_channel import Channel
 MISS = None  # a nil bulk reply
 _CRLF = b"\r\n"
 _MAX_LINE = 64 << 10         # longest reply line accepted
+_SCRATCH_BYTES = 64 << 10    # receive buffer for reply lines, headers and skipped values
 
 
 class ProtocolError(ConnectionError):
@@ -50,6 +53,10 @@ def pack(*args: bytes) -> bytes:
 def pack_key_command(command: bytes, keys: Sequence[bytes]) -> bytes:
     """``command key`` for each key, as one buffer of pipelined RESP commands."""
     head = b"*2\r\n$%d\r\n%s\r\n" % (len(command), command)
+    sizes = set(map(len, keys))
+    if len(sizes) == 1:  # keys of one length (a store's keys): one join
+        start = head + b"$%d\r\n" % sizes.pop()
+        return start + (b"\r\n" + start).join(keys) + b"\r\n"
     return b"".join([head + b"$%d\r\n%s\r\n" % (len(key), key) for key in keys])
 
 
@@ -68,7 +75,13 @@ class ReplyReader:
         self._channel = channel
         self._buf = bytearray()
         self._owed = 0  # bytes of a consumed bulk's trailing CRLF still in the socket
-        self._scratch = bytearray(64 << 10)
+        self._scratch_area: bytearray | None = None  # made on first use (not every call needs it)
+
+    @property
+    def _scratch(self) -> bytearray:
+        if self._scratch_area is None:
+            self._scratch_area = bytearray(_SCRATCH_BYTES)
+        return self._scratch_area
 
     # ---- socket ------------------------------------------------------------------------
     def _recv_some(self, at_most: int) -> None:
@@ -133,6 +146,22 @@ class ReplyReader:
             step = min(nbytes, len(self._scratch))
             self.into(memoryview(self._scratch)[:step])
             nbytes -= step
+
+    # ---- handing the socket to a bulk page reader (``redis_pages``) ------------------------
+    @property
+    def channel(self) -> Channel:
+        return self._channel
+
+    def idle_owed(self) -> int | None:
+        """With nothing buffered, the bytes of a consumed bulk's CRLF still in the socket (the
+        socket is otherwise at a reply boundary); None while the reader holds bytes."""
+        return None if self._buf else self._owed
+
+    def resume(self, unparsed: bytes) -> None:
+        """A bulk reader consumed everything owed and read ``unparsed`` past the replies it
+        took: those bytes are the start of the next reply."""
+        self._owed = 0
+        self._buf[:0] = unparsed
 
     def finish(self) -> None:
         """Consume a trailing CRLF still owed; the reader must then hold nothing."""
