@@ -7,10 +7,17 @@ baseline of the same bytes on the same device, measured in the same run.
 Each run (page size x threads x warm/cold) opens a fresh store location (a subdirectory for
 ``file://``), writes the pages with ``--threads`` writer threads (``--batch`` pages per call),
 flushes its files to disk (``fdatasync``), times ``contains`` over 100k lookups, reads
-everything back into page-aligned buffers (best of ``--repeats``; cold runs drop the page cache
-first, as root), reopens the store (open time), then asks the scheme's raw baseline to move the
-same bytes. The table and JSON report
-pages/s and GB/s; the last line printed is the worst read/raw ratio. Main thread plus workers.
+everything back into page-aligned buffers (cold runs drop the page cache first, as root),
+reopens the store (open time), and has the scheme's raw baseline move the same bytes. The table
+and JSON report pages/s and GB/s; the last line printed is the worst read/raw ratio. Main
+thread plus workers.
+
+A baseline module that also offers single passes (``RawReads`` with ``run()`` and ``close()``,
+and ``write_pass``, as ``raw_disk`` does) is measured side by side with the store, as a shared
+machine needs: a raw write pass just before and just after the store's writes (their mean is
+the raw rate), and ``--repeats`` rounds of one store read pass and one raw read pass, taking
+turns at going first; read rates are the medians of the passes, read/raw the median of the
+rounds' ratios. Other baselines run after the store's reads, best of ``--repeats`` each.
 
 Raw baselines, one per URL scheme, are named in ``RAW_BASELINES`` and imported on first use (a
 missing module fails only its own scheme). Each is a function::
@@ -39,6 +46,7 @@ import importlib
 import mmap
 import os
 import shutil
+import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -163,8 +171,14 @@ def bench_one(url: str, page_bytes: int, pages: int, threads: int, batch: int, c
     keys = [hashlib.sha256(nonce + i.to_bytes(8, "little")).digest() for i in range(pages)]
     sources = _source_pages(page_bytes)
     gb = pages * page_bytes / 1e9
+    baseline = raw_baseline(urlsplit(url).scheme)
+    module = importlib.import_module(baseline.__module__)
+    paired = all(hasattr(module, name) for name in ("RawReads", "write_pass"))
     store = open_store(run_url, page_bytes=page_bytes)
     try:
+        raw_writes = []
+        if paired:  # raw writes just before and just after the store's
+            raw_writes.append(sum(module.write_pass(store, pages, sources, threads, batch)))
         refused = [0] * threads  # one counter per thread: no shared read-modify-write
 
         def write(t: int, ks: Sequence[bytes], idx: range) -> None:
@@ -174,14 +188,26 @@ def bench_one(url: str, page_bytes: int, pages: int, threads: int, batch: int, c
         sync_start = time.perf_counter()
         flush_files(run_url)
         sync_s = time.perf_counter() - sync_start
+        if paired:
+            raw_writes.append(sum(module.write_pass(store, pages, sources, threads, batch)))
         lookups = (keys * (CONTAINS_LOOKUPS // max(1, pages) + 1))[:CONTAINS_LOOKUPS]
         contains_start = time.perf_counter()
         present = sum(store.contains(lookups))
         contains_s = time.perf_counter() - contains_start
-        read_s, dropped, misses = _read_phase(store, keys, threads, batch, cold, repeats)
-        raw = raw_baseline(urlsplit(url).scheme)(
-            run_url, store=store, keys=keys, sources=sources, threads=threads, batch=batch,
-            cold=cold, repeats=repeats)
+        if paired:
+            reads = _paired_reads(store, keys, threads, batch, cold, repeats,
+                                  module.RawReads(store, keys, threads, batch))
+            raw = {"raw_read_gbps": gb / statistics.median(reads["raw_read_s"]),
+                   "raw_write_gbps": gb / statistics.mean(raw_writes),
+                   "raw_write_s": raw_writes, "raw_method": module.METHOD + "; interleaved "
+                   "with the store's passes, round by round"}
+            read_s, ratio = statistics.median(reads["read_s"]), reads["read_vs_raw"]
+        else:
+            read_s, dropped, misses = _read_phase(store, keys, threads, batch, cold, repeats)
+            reads = {"caches_dropped": dropped, "read_misses": misses}
+            raw = baseline(run_url, store=store, keys=keys, sources=sources, threads=threads,
+                           batch=batch, cold=cold, repeats=repeats)
+            ratio = (gb / read_s) / raw["raw_read_gbps"]
         open_s = _reopen_seconds(store, run_url, page_bytes)
         if urlsplit(url).scheme != "file":
             store.delete(keys)
@@ -189,15 +215,48 @@ def bench_one(url: str, page_bytes: int, pages: int, threads: int, batch: int, c
         store.close()
         cleanup()
     return {"page_bytes": page_bytes, "pages": pages, "threads": threads, "batch": batch,
-            "cold": cold, "caches_dropped": dropped, "write_refused": sum(refused),
-            "read_misses": misses, "contains_present": present,
+            "cold": cold, "write_refused": sum(refused), **reads,
+            "contains_present": present,
             "write_gbps": gb / (write_s + sync_s), "write_buffered_gbps": gb / write_s,
             "write_pages_per_s": pages / (write_s + sync_s),
             "read_gbps": gb / read_s, "read_pages_per_s": pages / read_s,
             "contains_ms_per_100k": contains_s * 1e3 * CONTAINS_LOOKUPS / len(lookups),
-            "open_s": open_s, **raw, "read_vs_raw": (gb / read_s) / raw["raw_read_gbps"],
+            "open_s": open_s, **raw, "read_vs_raw": ratio,
             "write_vs_raw": (gb / (write_s + sync_s)) / raw["raw_write_gbps"],
             "load_avg": os.getloadavg()}
+
+
+def _paired_reads(store: Any, keys: list[bytes], threads: int, batch: int, cold: bool,
+                  repeats: int, raw: Any) -> dict[str, Any]:
+    """``repeats`` rounds of one store read pass and one raw read pass of the same bytes,
+    taking turns at going first (cold: the page cache dropped before each pass). The ratio
+    is the median of the rounds' raw/store time ratios."""
+    dest = [aligned_pages(batch, store.page_bytes) for _ in range(threads)]
+    misses = [0] * threads
+
+    def read(t: int, ks: Sequence[bytes], idx: range) -> None:
+        misses[t] += store.read_into(ks, dest[t][:len(ks)]).count(False)
+
+    def store_pass() -> float:
+        return run_batches(threads, keys, batch, read)
+
+    passes = {"read_s": store_pass, "raw_read_s": raw.run}
+    times: dict[str, list[float]] = {name: [] for name in passes}
+    dropped = False
+    try:
+        if not cold:
+            for run in passes.values():
+                run()  # fill the page cache
+        for round_ in range(repeats):
+            for name in (list(passes) if round_ % 2 == 0 else list(passes)[::-1]):
+                if cold:
+                    dropped = drop_caches()
+                times[name].append(passes[name]())
+    finally:
+        raw.close()
+    ratios = [r / s for r, s in zip(times["raw_read_s"], times["read_s"], strict=True)]
+    return {**times, "read_vs_raw_rounds": ratios, "read_vs_raw": statistics.median(ratios),
+            "caches_dropped": dropped, "read_misses": sum(misses)}
 
 
 def _read_phase(store: Any, keys: list[bytes], threads: int, batch: int, cold: bool,

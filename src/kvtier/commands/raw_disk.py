@@ -2,10 +2,15 @@
 
 Reads: a plain ``os.preadv`` of each page's payload bytes at its place in the store's own segment
 files, into page-aligned buffers, with the same threads and batches as the store run: the same
-bytes on the same disk, without index lookups, headers or checksums. Writes: the same pages
-written sequentially with ``os.pwritev`` into one new file per thread in the store directory,
-then ``fdatasync`` of each (the store's write time includes the same flush of its files). Runs
-on the benchmark's main thread and its worker threads.
+bytes on the same disk in the same order, without index lookups, headers or checksums (one
+system call per page: the plain way; the store itself reads a run of adjacent records with one
+call). Writes: the same pages written sequentially with ``os.pwritev`` into one new file per
+thread in the store directory, then ``fdatasync`` of each (the store's write time includes the
+same flush of its files).
+
+Besides ``measure`` (the contract of ``bench_store``), this module offers one pass at a time
+(``RawReads``, ``write_pass``), so that the benchmark interleaves raw and store passes round by
+round on a shared machine. Runs on the benchmark's main thread and its worker threads.
 """
 
 from __future__ import annotations
@@ -19,55 +24,48 @@ from typing import Any
 from kvtier.commands.bench_store import aligned_pages, drop_caches, run_batches
 from kvtier.store.base import PageStore
 
-
-def measure(url: str, *, store: PageStore, keys: Sequence[bytes], sources: Sequence[memoryview],
-            threads: int, batch: int, cold: bool, repeats: int) -> dict[str, Any]:
-    """Raw read and write rates of the bytes the store benchmark moved (see bench_store)."""
-    from kvtier.store.file import FileStore
-    from kvtier.store.file_tools import payload_locations
-
-    if not isinstance(store, FileStore):
-        raise TypeError("the raw disk baseline needs a file:// store")
-    gb = len(keys) * store.page_bytes / 1e9
-    read_s = _raw_read(store, payload_locations(store, keys), threads, batch, cold, repeats)
-    write_s, sync_s = _raw_write(store, len(keys), sources, threads, batch)
-    return {"raw_read_gbps": gb / read_s, "raw_write_gbps": gb / (write_s + sync_s),
-            "raw_write_buffered_gbps": gb / write_s,
-            "raw_method": "os.preadv of each payload in the store's segment files; os.pwritev "
-                          "of the same pages to one new file per thread, then fdatasync"}
+METHOD = ("os.preadv of each payload in the store's segment files; os.pwritev of the same pages "
+          "to one new file per thread, then fdatasync")
 
 
-def _raw_read(store: PageStore, locations: list, threads: int, batch: int, cold: bool,
-              repeats: int) -> float:
-    if any(loc is None for loc in locations):
-        raise RuntimeError("some benchmark pages are no longer in the store (evicted?)")
-    fds = {path: os.open(path, os.O_RDONLY) for path in {p for p, _ in locations}}
-    plan = [(fds[path], offset) for path, offset in locations]
-    dest = [aligned_pages(batch, store.page_bytes) for _ in range(threads)]
+class RawReads:
+    """Timed raw read passes over the payloads of ``keys`` in ``store``'s segment files."""
 
-    def read(t: int, ks: Sequence[bytes], idx: range) -> None:
-        buffers = dest[t]
-        for j, i in enumerate(idx):
-            fd, offset = plan[i]
-            os.preadv(fd, [buffers[j]], offset)
+    def __init__(self, store: PageStore, keys: Sequence[bytes], threads: int, batch: int) -> None:
+        from kvtier.store.file import FileStore
+        from kvtier.store.file_tools import payload_locations
 
-    keys = list(range(len(plan)))  # run_batches only needs something to count
-    try:
-        if not cold:
-            run_batches(threads, keys, batch, read)
-        best = float("inf")
-        for _ in range(repeats):
-            if cold:
-                drop_caches()
-            best = min(best, run_batches(threads, keys, batch, read))
-        return best
-    finally:
-        for fd in fds.values():
+        if not isinstance(store, FileStore):
+            raise TypeError("the raw disk baseline needs a file:// store")
+        locations = payload_locations(store, keys)
+        if any(loc is None for loc in locations):
+            raise RuntimeError("some benchmark pages are no longer in the store (evicted?)")
+        self.fds = {path: os.open(path, os.O_RDONLY) for path in {p for p, _ in locations}}  # type: ignore[misc]
+        self.plan = [(self.fds[path], offset) for path, offset in locations]  # type: ignore[misc]
+        self.dest = [aligned_pages(batch, store.page_bytes) for _ in range(threads)]
+        self.threads, self.batch = threads, batch
+
+    def run(self) -> float:
+        """One pass over every page; seconds taken."""
+        plan, dest = self.plan, self.dest
+
+        def read(t: int, ks: Sequence[int], idx: range) -> None:
+            buffers = dest[t]
+            for j, i in enumerate(idx):
+                fd, offset = plan[i]
+                os.preadv(fd, [buffers[j]], offset)
+
+        return run_batches(self.threads, list(range(len(plan))), self.batch, read)
+
+    def close(self) -> None:
+        for fd in self.fds.values():
             os.close(fd)
+        self.fds.clear()
 
 
-def _raw_write(store: Any, pages: int, sources: Sequence[memoryview], threads: int,
+def write_pass(store: Any, pages: int, sources: Sequence[memoryview], threads: int,
                batch: int) -> tuple[float, float]:
+    """Write ``pages`` pages the plain way and flush them; (write seconds, flush seconds)."""
     scratch = store.root / "raw-write"
     scratch.mkdir(exist_ok=True)
     fds = [os.open(scratch / f"{t}.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -91,3 +89,23 @@ def _raw_write(store: Any, pages: int, sources: Sequence[memoryview], threads: i
             os.close(fd)
         shutil.rmtree(scratch, ignore_errors=True)
     return write_s, sync_s
+
+
+def measure(url: str, *, store: PageStore, keys: Sequence[bytes], sources: Sequence[memoryview],
+            threads: int, batch: int, cold: bool, repeats: int) -> dict[str, Any]:
+    """Raw read and write rates of the bytes the store benchmark moved (see bench_store)."""
+    gb = len(keys) * store.page_bytes / 1e9
+    reads = RawReads(store, keys, threads, batch)
+    try:
+        if not cold:
+            reads.run()
+        best = float("inf")
+        for _ in range(repeats):
+            if cold:
+                drop_caches()
+            best = min(best, reads.run())
+    finally:
+        reads.close()
+    write_s, sync_s = write_pass(store, len(keys), sources, threads, batch)
+    return {"raw_read_gbps": gb / best, "raw_write_gbps": gb / (write_s + sync_s),
+            "raw_write_buffered_gbps": gb / write_s, "raw_method": METHOD}

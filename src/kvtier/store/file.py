@@ -1,13 +1,14 @@
 """``file://``: the disk tier, a crash-safe page store of append-only segment files.
 
 Owns ``FileStore``: opens (or creates) a store directory, answers ``contains`` from an in-memory
-index, reads pages with one ``preadv`` each straight into the caller's buffer and verifies them,
-appends writes to this process's own segment, and publishes them through the shared journal
-(``file_journal``) only once their bytes are complete. Several processes may open one directory
-at once: each appends to its own segments, and every process sees the others' pages as soon as
-it next touches the store (one ``fstat`` of the journal per call). Eviction lives in
-``file_evict``; record IO in ``file_io``; the layout in ``segment``. No background threads: the
-IO worker threads that call the store do all the work, so nothing can die silently.
+index, reads pages straight into the caller's buffers (one ``preadv`` per run of adjacent
+records) and verifies every one, appends writes to this process's own segment, and publishes
+them through the shared journal (``file_journal``) only once their bytes are complete. Several
+processes may open one directory at once: each appends to its own segments, and every process
+sees the others' pages as soon as it next touches the store (one ``fstat`` of the journal per
+call). Eviction lives in ``file_evict``; record IO in ``file_io``; the layout in ``segment``. No
+background threads: the IO worker threads that call the store do all the work, so nothing can
+die silently.
 
 Directory::
 
@@ -30,6 +31,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
+from itertools import compress
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -46,8 +48,8 @@ from kvtier.store.base import (
     writable_view,
 )
 from kvtier.store.file_evict import Evictor
-from kvtier.store.file_index import PageIndex, split
-from kvtier.store.file_io import RecordIO
+from kvtier.store.file_index import SLOT_BITS, PageIndex
+from kvtier.store.file_io import RecordIO, plans_of, slot_runs
 from kvtier.store.file_journal import OP_DELETE, OP_PUT, Entry, Journal
 from kvtier.store.file_options import FileStoreOptions
 from kvtier.store.record import Verdict
@@ -150,7 +152,11 @@ class FileStore(PageStore):
 
     def read_into(self, keys: Sequence[bytes], buffers: Sequence[Buffer]) -> list[bool]:
         self._check_batch(keys, buffers)
-        views = [writable_view(b, self.page_bytes) for b in buffers]
+        page_bytes = self.page_bytes
+        views = [b if type(b) is memoryview and b.nbytes == page_bytes and b.ndim == 1
+                 and b.format == "B" and b.c_contiguous and not b.readonly
+                 else writable_view(b, page_bytes)
+                 for b in buffers]  # a flat writable byte view as is (the hot path)
         return self._read(keys, views, self.io.read_many)
 
     def read_ranges_into(self, keys: Sequence[bytes], ranges: Sequence[ByteRange],
@@ -164,42 +170,34 @@ class FileStore(PageStore):
                 return self.io.read_whole_then_pack(fd, slot, key, ranges, view)
             return self.io.read_chunks(fd, slot, key, runs, ranges, view)
 
-        return self._read(keys, views, lambda plans, ks, vs: self.io.each(plans, ks, vs, one))
+        return self._read(keys, views, lambda locs, fds, ks, vs: self.io.each(
+            plans_of(locs, fds), ks, vs, one))
 
     def _read(self, keys: Sequence[bytes], views: list[memoryview], reader: Any) -> list[bool]:
         self.refresh()
-        plans, pinned = self._pin(keys)
+        locs, fds = self._pin(keys)
         try:
-            found, corrupt, errors = reader(plans, keys, views)
+            found, corrupt, errors = reader(locs, fds, keys, views)
         finally:
-            for seg in pinned:
-                self.readers.unpin(seg)
+            for seg, fd in fds.items():
+                if fd is not None:
+                    self.readers.unpin(seg)
         hits = sum(found)
         if hits:
             with self._lock:
-                self.index.hot.update(k for k, ok in zip(keys, found, strict=True) if ok)
+                self.index.hot.update(keys if hits == len(keys) else compress(keys, found))
         self.counters.add(hits=hits, misses=len(keys) - hits, corrupt=corrupt, errors=errors,
                           bytes_read=hits * self.page_bytes)
         return found
 
-    def _pin(self, keys: Sequence[bytes]) -> tuple[list[tuple[int, int] | None], list[int]]:
-        """(descriptor, slot) of each key's record (None: miss), and the segments pinned for
-        them (each once), which the caller unpins when its reads are done."""
-        plans: list[tuple[int, int] | None] = []
-        fds: dict[int, int | None] = {}
+    def _pin(self, keys: Sequence[bytes]) -> tuple[list[int | None], dict[int, int | None]]:
+        """Each key's record location (``seg << 32 | slot``; None: a miss) and a descriptor of
+        each segment they name (None: the segment is gone), pinned: the caller unpins those
+        once its reads are done."""
         with self._lock:
-            where = self.index.where
-            for key in keys:
-                loc = where.get(key)
-                if loc is None:
-                    plans.append(None)
-                    continue
-                seg, slot = split(loc)
-                if seg not in fds:
-                    fds[seg] = self.readers.pin(seg)
-                fd = fds[seg]
-                plans.append(None if fd is None else (fd, slot))
-        return plans, [seg for seg, fd in fds.items() if fd is not None]
+            locs = list(map(self.index.where.get, keys))
+            segs = {loc >> SLOT_BITS for loc in locs if loc is not None}
+            return locs, {seg: self.readers.pin(seg) for seg in segs}
 
     def write(self, keys: Sequence[bytes], buffers: Sequence[Buffer]) -> list[bool]:
         self._check_batch(keys, buffers)
@@ -222,15 +220,26 @@ class FileStore(PageStore):
         except OSError:
             self.counters.add(refused=len(keys), errors=len(keys))
             return results
-        done, errors = [], 0
+        done: list[int] = []
+        errors = 0
         try:
-            for i, (key, view, slot) in enumerate(zip(keys, views, slots, strict=True)):
-                try:
-                    self.io.write(slot.fd, slot.direct_fd, slot.slot, key, view)
-                    done.append(i)
-                except OSError as exc:
-                    errors += 1
-                    self._on_write_error(exc)
+            for first, last in slot_runs(slots, self.io.max_run):
+                head = slots[first]
+                if last - first > 1 and head.direct_fd is None:
+                    try:  # the run at once: two system calls, not two per record
+                        self.io.write_run(head.fd, head.slot, keys[first:last], views[first:last])
+                        done.extend(range(first, last))
+                        continue
+                    except OSError:
+                        pass  # again record by record, to learn which failed
+                for i in range(first, last):
+                    slot = slots[i]
+                    try:
+                        self.io.write(slot.fd, slot.direct_fd, slot.slot, keys[i], views[i])
+                        done.append(i)
+                    except OSError as exc:
+                        errors += 1
+                        self._on_write_error(exc)
             if done:
                 errors += self._publish_puts(keys, slots, done, results)
         finally:

@@ -88,12 +88,14 @@ class PageIndex:
         self.where.update(zip(keys, locs.tolist(), strict=True))
         if self.hot:
             self.hot.difference_update(keys)
+        shared = np.empty(len(keys), object)  # the same bytes objects as ``where`` holds
+        shared[:] = keys
         order = np.argsort(rows["seg"], kind="stable")
         sorted_segs = rows["seg"][order]
         bounds = np.flatnonzero(np.diff(sorted_segs)) + 1
         for chunk in np.split(order, bounds):
             seg = int(rows["seg"][chunk[0]])
-            self.seg_keys.setdefault(seg, []).extend([keys[i] for i in chunk.tolist()])
+            self.seg_keys.setdefault(seg, []).extend(shared[chunk].tolist())
             self._grow(seg, int(rows["slot"][chunk].max()) + 1)
 
     def rows(self) -> np.ndarray:
@@ -126,7 +128,9 @@ class PageIndex:
 
     def segments_without_live_pages(self) -> list[int]:
         """Segments that hold only dead records (overwritten, deleted, or never published)."""
-        live = {loc >> SLOT_BITS for loc in self.where.values()}
+        segs = np.fromiter(self.where.values(), np.uint64, len(self.where)) >> np.uint64(SLOT_BITS)
+        segs.sort()
+        live = set(segs[np.flatnonzero(np.diff(segs, append=segs[-1:] + 1))].tolist())
         return [seg for seg in self.seg_slots if seg not in live]
 
     def live_keys(self, seg: int) -> list[bytes]:

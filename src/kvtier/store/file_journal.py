@@ -36,7 +36,7 @@ _WORDS = struct.Struct("<15I")
 #: mod 2**32. It catches torn and garbled entries like a crc, and numpy computes it for a
 #: million entries at once, which keeps opening a large store fast.
 _WEIGHTS = tuple(2 * (0x9E3779B1 * (i + 1) % (1 << 31)) + 1 for i in range(15))
-_WEIGHTS_NP = np.array(_WEIGHTS, np.uint64)
+_WEIGHTS_NP = np.array(_WEIGHTS, np.uint32)  # uint32 products wrap mod 2**32, as the sum does
 SNAPSHOT_MAGIC = b"KVTSNAP1"
 SNAPSHOT_DTYPE = np.dtype([("key", "V32"), ("seg", "<u4"), ("slot", "<u4")])
 _ENTRY_DTYPE = np.dtype([("op", "u1"), ("_a", "V3"), ("seg", "<u4"), ("slot", "<u4"),
@@ -45,6 +45,9 @@ _ENTRY_DTYPE = np.dtype([("op", "u1"), ("_a", "V3"), ("seg", "<u4"), ("slot", "<
 assert _ENTRY_DTYPE.itemsize == ENTRY_BYTES
 #: Below this many entries a tail is applied one entry at a time.
 _BULK_ENTRIES = 64
+#: A long journal is read and applied this many bytes at a time (a million entries), which
+#: bounds the memory a replay needs beside the index it builds.
+_TAIL_BYTES = ENTRY_BYTES << 20
 _SNAP_HEADER = struct.Struct("<8sQQ40x")  # magic, rows, xxh3 of rows
 
 
@@ -153,7 +156,7 @@ class Journal:
             size -= (size - self.pos) % ENTRY_BYTES
             if size <= self.pos:
                 return
-            data = os.pread(self.fd, size - self.pos, self.pos)
+            data = os.pread(self.fd, min(size - self.pos, _TAIL_BYTES), self.pos)
             self.pos += len(data) - len(data) % ENTRY_BYTES
             sealed = self._apply_all(data, apply)
             if sealed is not None:
@@ -176,7 +179,7 @@ class Journal:
         """``_apply_all`` for long runs: checksums at once, then runs of puts as rows."""
         entries = np.frombuffer(data, _ENTRY_DTYPE, count=len(data) // ENTRY_BYTES)
         words = np.frombuffer(data, "<u4", count=len(entries) * 16).reshape(-1, 16)
-        sums = (words[:, :15].astype(np.uint64) * _WEIGHTS_NP).sum(axis=1) & np.uint64(0xFFFFFFFF)
+        sums = (words[:, :15] * _WEIGHTS_NP).sum(axis=1, dtype=np.uint32)
         good = sums == entries["check"]
         start = 0
         for i in [*np.flatnonzero(~good | (entries["op"] != OP_PUT)).tolist(), len(entries)]:

@@ -23,16 +23,22 @@ one more page-cache page).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
+import sys
 import zlib
+from array import array
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import xxhash
 
 from kvtier.errors import LayoutMismatch, StoreUnavailable
+from kvtier.keys import KEY_BYTES
 from kvtier.store.record import HEADER_BYTES, MAGIC, RECORD_VERSION, Verdict, encode_header
 
 MANIFEST = "kvtier-store.json"
@@ -44,6 +50,48 @@ CHUNK_BYTES = 64 << 10
 _HEADER = struct.Struct("<4sHHIQQ32sI")
 assert _HEADER.size == HEADER_BYTES
 SEGMENT_SUFFIX = ".seg"
+#: The header's first 8 bytes: magic, version, header size.
+_HEAD_BYTES = struct.pack("<4sHH", MAGIC, RECORD_VERSION, HEADER_BYTES)
+_KEY_DTYPE = np.dtype("V32")
+_BIG_ENDIAN = sys.byteorder == "big"
+#: crc32 of a whole 64-byte header (body, then the little-endian crc32 of the body): the same
+#: value for every header whose crc holds (the CRC-32 residue).
+_RESIDUE = zlib.crc32(bytes(60) + struct.pack("<I", zlib.crc32(bytes(60))))
+
+
+@functools.cache
+def _header_fields(stride: int) -> np.dtype:
+    """One header-table entry (``stride`` bytes) as the byte fields verification compares
+    (they overlap: ``header`` is all 64 bytes, ``fixed`` the first 20)."""
+    return np.dtype({"names": ["header", "fixed", "head", "length", "digest", "key"],
+                     "formats": ["V64", "V20", "V8", "V8", "V8", _KEY_DTYPE],
+                     "offsets": [0, 0, 0, 12, 20, 28], "itemsize": stride})
+
+
+@functools.cache
+def _fixed_fields(page_bytes: int, count: int) -> bytes:
+    """Bytes 0..20 of ``count`` headers as ``encode_header`` writes them for a page of
+    ``page_bytes``: magic, version, header size, flags 0, payload length."""
+    return (_HEAD_BYTES + bytes(4) + struct.pack("<Q", page_bytes)) * count
+
+
+@functools.cache
+def _crc_of_intact(count: int) -> int:
+    """crc32 of ``count`` intact 64-byte headers back to back. CRC-32 is affine, so this
+    depends only on each header's own crc32, which is ``_RESIDUE`` for every intact one."""
+    body = bytes(60)
+    return zlib.crc32((body + struct.pack("<I", zlib.crc32(body))) * count)
+
+
+def _crcs_hold(headers: bytes | bytearray, count: int) -> np.ndarray | bool:
+    """Whether each of ``count`` 64-byte headers (back to back) matches its crc: one crc32
+    over all of them when all hold (a damaged header changes it: shifting a CRC by zero
+    bytes is invertible), else one per header."""
+    if zlib.crc32(headers) == _crc_of_intact(count):
+        return True
+    crc = zlib.crc32
+    return np.fromiter([crc(headers[at:at + HEADER_BYTES]) == _RESIDUE
+                        for at in range(0, count * HEADER_BYTES, HEADER_BYTES)], bool, count)
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -132,6 +180,37 @@ class RecordLayout:
         if check_payload and xxhash.xxh3_64_intdigest(payload) != digest:
             return Verdict.CORRUPT
         return Verdict.OK
+
+    def verify_many(self, headers: bytes | bytearray, keys: Sequence[bytes],
+                    payloads: Sequence[memoryview], check_payload: bool = True) -> list[bool]:
+        """``verify`` of consecutive slots at once (``headers``: their header-table entries
+        back to back); True where the record is OK. The same checks, over the whole batch at
+        once: every payload still gets its own ``xxh3``, every header its crc."""
+        count, stride = len(keys), self.header_stride
+        joined = b"".join(keys)
+        if len(joined) != count * KEY_BYTES:  # a malformed key: no record can match it
+            return [self.verify(memoryview(headers)[i * stride:(i + 1) * stride], keys[i],
+                                payloads[i], check_payload) is Verdict.OK for i in range(count)]
+        rows = np.frombuffer(headers, _header_fields(stride), count)
+        digests = None
+        if check_payload:
+            digests = array("Q", map(xxhash.xxh3_64_intdigest, payloads))
+            if _BIG_ENDIAN:
+                digests.byteswap()
+        # Fast path: every record as written (flags 0), compared as bytes, a few calls per batch.
+        if (rows["fixed"].tobytes() == _fixed_fields(self.page_bytes, count)
+                and rows["key"].tobytes() == joined
+                and (digests is None or rows["digest"].tobytes() == digests.tobytes())
+                and _crcs_hold(rows["header"].tobytes(), count) is True):
+            return [True] * count
+        # Else field by field, to find which records fail (flags are not checked, as in verify).
+        ok = rows["head"] == np.frombuffer(_HEAD_BYTES, "V8")
+        ok &= rows["length"] == np.frombuffer(struct.pack("<Q", self.page_bytes), "V8")
+        ok &= rows["key"] == np.frombuffer(joined, _KEY_DTYPE)
+        if digests is not None:
+            ok &= rows["digest"] == np.frombuffer(digests.tobytes(), "V8")
+        ok &= _crcs_hold(rows["header"].tobytes(), count)
+        return ok.tolist()
 
     def chunk_digest(self, prefix: memoryview | bytes, chunk: int) -> int:
         """The stored checksum of chunk ``chunk`` (pages with a chunk table only)."""
