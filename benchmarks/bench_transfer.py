@@ -159,8 +159,10 @@ def _duplex_with_ce(setup: Setup, peak: float, best: dict[str, KernelConfig],
         dev = torch.empty(nbytes[0], dtype=torch.uint8, device="cuda")
         flat_load = lambda: dev.copy_(host, non_blocking=True)  # noqa: E731
         flat_store = lambda: host.copy_(dev, non_blocking=True)  # noqa: E731
-        staged_load, staged_store, _ = staged_fns(setup, ce)
-        cases = (("kvtier copy-engine path both ways", staged_load, staged_store),
+        staged = [(f"kvtier copy-engine path both ways, {mib} MiB staging each",
+                   *staged_fns(setup, ce, mib << 20)[:2]) for mib in args.staging_mib]
+        staged_store = staged[0][2]
+        cases = (*staged,
                  ("kernel load + kvtier copy-engine store", kern_load, staged_store),
                  ("kernel load + batched copy-engine store", kern_load, ce_store),
                  ("batched copy-engine load + kernel store", ce_load, kern_store),
@@ -192,6 +194,9 @@ def parse_args() -> argparse.Namespace:
                         help="Parts moved by the one-memcpy-per-part baseline.")
     parser.add_argument("--gather-mib", type=int, default=256,
                         help="Bytes moved by the gather + one copy baseline (MiB).")
+    parser.add_argument("--staging-mib", type=lambda v: [int(x) for x in v.split(",")],
+                        default=[64, 256], help="Device staging per direction for the "
+                        "copy-engine path rows (MiB; the first is kvtier's default).")
     parser.add_argument("--no-tune", action="store_true", help="Skip the launch-shape sweep.")
     return parser.parse_args()
 
@@ -238,7 +243,8 @@ def bench_size(kib: int, batch: int, budget: PinnedBudget, peak: dict, best: dic
     for plan, key in ((setup.load, "h2d_gbs"), (setup.store, "d2h_gbs")):
         rows += one_direction(setup, plan, peak[key], best[plan.direction], args, ce)
     if ce is not None:
-        rows += staged_rows(setup, ce, peak, args.reps)
+        for mib in args.staging_mib:
+            rows += staged_rows(setup, ce, peak, args.reps, mib << 20)
     duplex_rows = duplex(setup, peak["duplex_gbs"], best, args, ce)
     setup.close()
     lf = Setup(kib, batch, "layer_first", budget)

@@ -19,15 +19,16 @@ from kvtier.transfer.staged import StagedCopier
 STAGING_BYTES = HostConfig().copy_staging_bytes
 
 
-def staged_fns(setup: Any, batch: Any) -> tuple[Callable[[], None], Callable[[], None], int]:
+def staged_fns(setup: Any, batch: Any, staging_bytes: int = STAGING_BYTES,
+               ) -> tuple[Callable[[], None], Callable[[], None], int]:
     """(load, store, staging bytes) of ``setup``'s batches on kvtier's copy-engine path."""
     geo = setup.load.src
     copiers = {direction: StagedCopier(
         setup.dev.kv, setup.host.buffer, geo,
-        torch.empty(STAGING_BYTES, dtype=torch.uint8, device=setup.dev.kv.device), batch)
+        torch.empty(staging_bytes, dtype=torch.uint8, device=setup.dev.kv.device), batch)
         for direction in ("load", "store")}
     return (lambda: copiers["load"].run(setup.load), lambda: copiers["store"].run(setup.store),
-            2 * STAGING_BYTES)
+            2 * staging_bytes)
 
 
 def check_staged(setup: Any, load: Callable[[], None], store: Callable[[], None]) -> None:
@@ -52,14 +53,15 @@ def check_staged(setup: Any, load: Callable[[], None], store: Callable[[], None]
             raise AssertionError(f"staged store put wrong bytes in host page {plan_s.dst_ids[i]}")
 
 
-def staged_rows(setup: Any, batch: Any, peak: dict[str, float], reps: int) -> list[dict[str, Any]]:
+def staged_rows(setup: Any, batch: Any, peak: dict[str, float], reps: int,
+                staging_bytes: int = STAGING_BYTES) -> list[dict[str, Any]]:
     """One row per direction for kvtier's copy-engine path (after a byte check)."""
     from transfer_baselines import gpu_time, row
 
     kib = setup.layout.part_bytes // 1024
     try:
         with torch.cuda.stream(torch.cuda.Stream()):  # batched copies refuse the legacy stream
-            load, store, staging = staged_fns(setup, batch)
+            load, store, staging = staged_fns(setup, batch, staging_bytes)
             check_staged(setup, load, store)
             label = f"kvtier copy-engine path ({staging >> 20} MiB device staging)"
             return [row(kib, "load", label, setup.load.nbytes, gpu_time(load, reps),

@@ -38,7 +38,11 @@ MAX_SPLITS = 128
 BLOCK_N = 64
 
 
-@triton.jit
+#: Sizes that change per call are not specialized on: one compile serves every length.
+_VARYING = ["n_queries", "n_keys", "chunk", "n_splits"]
+
+
+@triton.jit(do_not_specialize=_VARYING)
 def _partial_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
                     sq_h, sq_m, sk_h, sk_n, sv_h, sv_n,
                     n_queries, n_keys, n_rep, chunk, n_splits, scale_log2,
@@ -85,7 +89,7 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
     tl.store(lse_ptr + out_row * n_splits + split, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_queries", "n_splits"])
 def _merge_kernel(part_ptr, lse_ptr, out_ptr, so_m, so_h, n_queries, n_splits,
                   HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
     """One query row: weigh each slice's output by its share of the softmax mass."""
@@ -130,7 +134,7 @@ def split_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     rows = n_rep * n_queries
     block_m = min(64, max(16, triton.next_power_of_2(rows)))
     row_blocks = -(-rows // block_m)
-    n_splits = splits or _splits(kv_heads, row_blocks, n_keys, query.device)
+    n_splits = min(splits or _splits(kv_heads, row_blocks, n_keys, query.device), MAX_SPLITS)
     chunk = -(-n_keys // n_splits)
     chunk = -(-chunk // BLOCK_N) * BLOCK_N
     n_splits = -(-n_keys // chunk)
@@ -147,7 +151,7 @@ def split_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N)
     _merge_kernel[(heads * n_queries,)](
         partial, lse, out, out.stride(1), out.stride(2), n_queries, n_splits,
-        HEAD_DIM=dim, SPLITS=max(2, triton.next_power_of_2(n_splits)))
+        HEAD_DIM=dim, SPLITS=MAX_SPLITS)
     return out
 
 

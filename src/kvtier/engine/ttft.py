@@ -177,19 +177,21 @@ class TtftRun:
             samples.by_tier.append(dict(report.cached_by_tier))
 
     def _warm(self, service: EngineService) -> None:
-        """Compile kernels, fill allocators and walk every load path once before timing."""
-        prompt = self.tokens(min(1024, max(self.plan.prefix_tokens)))
+        """Compile kernels, fill allocators and walk every load path once before timing, at
+        every measured length (kernels are specialized on sizes: a first compile must not
+        land in a timed sample)."""
         ttft(service, self.tokens(64))
-        ttft(service, prompt)
-        ttft(service, prompt)  # a device hit on the second pass
         cache = service.prefix_cache
-        if cache is None:
-            return
-        for drop in (("device",), ("device", "host")):
-            on_engine(service, lambda d=drop: cache.drop_tiers(d))
-            drop_page_cache(self.plan.disk_url, whole_machine=self.plan.whole_machine_drop)
-            ttft(service, prompt)
-        on_engine(service, cache.settle)
+        for length in self.plan.prefix_tokens:
+            prefix = self.tokens(length)
+            ttft(service, prefix + self.tokens(self.plan.suffix_tokens))
+            ttft(service, prefix + self.tokens(self.plan.suffix_tokens))  # a device hit
+            if cache is None:
+                continue
+            for drop in (("device",), ("device", "host")):
+                on_engine(service, lambda d=drop: cache.drop_tiers(d))
+                ttft(service, prefix + self.tokens(self.plan.suffix_tokens))
+            on_engine(service, cache.settle)
 
     def steps(self) -> int:
         """How many progress steps ``run`` reports."""

@@ -37,7 +37,7 @@ DEFAULT_PROGRAMS_PER_SM = 1
 INTERPRETER_MAX_PROGRAMS = 8
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_pages", "n_layers", "layer0"])  # one compile for any batch
 def copy_parts_kernel(src, dst, ids, n_pages, n_layers, layer0, chunks_per_part, part_vecs,
                       src_page, src_layer, src_part, dst_page, dst_layer, dst_part,
                       PARTS: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr):
