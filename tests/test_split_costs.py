@@ -92,3 +92,32 @@ def test_prefills_of_one_length_do_not_give_a_curve():
     for _ in range(5):
         book.observe_prefill(4096, 0.12)
     assert book.prefill_time() is None
+
+
+def test_a_split_that_ran_late_makes_hits_of_that_size_recompute(tmp_path):
+    from kvtier.engine.prefix import PrefixCache
+    from kvtier.engine.request import PrefillReport
+
+    lm = tiny_lm()
+    config = make_config(controller__min_prefetch_tokens=0,
+                         controller__prefetch_policy="wait_complete",
+                         store__disk_url=f"file://{tmp_path}/disk")
+    cache = PrefixCache.build(config, lm)
+    try:
+        rates = cache.tiered.controller.rates
+        prompt = list(range(40, 40 + 16 * 8 + 5))
+        _serve(cache, prompt, PrefillReport)
+        cache.drop_tiers(("device", "host"))
+        rates.rates["disk"] = (lm.kv_layout(16).bytes_per_token * 5000.0, 0.0)
+        rates.prefill_tokens_per_s = 5000.0  # loading as slow as recomputing: split in half
+        report = _serve(cache, prompt, PrefillReport)
+        assert 0 < report.recomputed_hit_tokens < 128
+        assert set(rates.split_errors) == {128 .bit_length()}  # the split was timed
+        rates.observe_split(128, 0.0128, 0.2)  # then splits of this size are seen running late
+        cache.drop_tiers(("device", "host"))
+        report = _serve(cache, prompt, PrefillReport)
+        assert report.recomputed_hit_tokens == 128 and report.cached_tokens == 0
+        rates.observe_split(2048, 0.1, 0.5)  # another size's lateness does not count here
+        assert rates.split_error(128) == pytest.approx(rates.split_errors[8])
+    finally:
+        cache.close()

@@ -18,7 +18,11 @@ are fitted the same way: their slope is the prefill rate, their intercept the fi
 forward of its own (what a split's separate head forward adds). Attention makes long prefills
 superlinear, so once prefills of three clearly different lengths were seen a quadratic
 (``QuadraticFit``: fixed + per token + per token pair) prices the head instead: recomputing the
-first 24k tokens of a 32k hit costs far less than three quarters of the whole. Until a prefill
+first 24k tokens of a 32k hit costs far less than three quarters of the whole. Every split the
+engine runs is timed to its first token (``observe_split``): how late it was, per hit size
+within a factor of two, is added to later predictions, so a split that loses to recomputing
+(fixed costs the model misses: a second forward's launches, a cold first read) is not taken
+again and the hit is recomputed instead. Until a prefill
 rate is known the split is 0 (load everything: from RAM loading wins outright). Engine thread
 only; no torch.
 """
@@ -137,6 +141,8 @@ class RateBook:
     load_fits: dict[str, LineFit] = field(default_factory=dict)
     prefill_fit: LineFit = field(default_factory=LineFit)
     prefill_curve: QuadraticFit = field(default_factory=QuadraticFit)
+    split_errors: dict[int, float] = field(default_factory=dict)   # size bucket -> seconds late
+    pending_split: tuple[int, float] | None = None   # (hit tokens, predicted s) of the last split
 
     @classmethod
     def for_device(cls, device: str) -> RateBook:
@@ -182,6 +188,22 @@ class RateBook:
         self.prefill_tokens_per_s = seen if old is None else old + SMOOTHING * (seen - old)
 
 
+    def split_error(self, hit_tokens: int) -> float:
+        """Seconds by which splits of hits about this size ran past their prediction."""
+        return self.split_errors.get(split_bucket(hit_tokens), 0.0)
+
+    def observe_split(self, hit_tokens: int, predicted_s: float, seconds: float) -> None:
+        """A split prefill that was predicted to take ``predicted_s`` took ``seconds`` (first
+        token out). What the model missed (separate forwards' launch costs, a cold first read)
+        is added to later predictions for hits of about this size: a split that cannot beat
+        recomputing is not taken again."""
+        if seconds <= 0 or predicted_s <= 0:
+            return
+        bucket = split_bucket(hit_tokens)
+        miss = seconds - predicted_s
+        old = self.split_errors.get(bucket)
+        self.split_errors[bucket] = miss if old is None else old + 2 * SMOOTHING * (miss - old)
+
     def prefill_time(self) -> Any:
         """Seconds to prefill ``n`` tokens from the quadratic fit, or None until it holds."""
         solved = self.prefill_curve.solve()
@@ -210,8 +232,18 @@ def plan_split(hit: Hit, book: RateBook, bytes_per_token: int) -> int:
     effective = moving / load_s if load_s > 0 else float("inf")
     split = split_hit(hit.tokens, effective, prefill, page, latency, book.prefill_fixed_s,
                       prefill_time=book.prefill_time())
+    book.pending_split = None
     if split.recompute_tokens >= split.hit_tokens and device_tokens == 0:
         return split.hit_tokens
     if split.recompute_tokens <= device_tokens or split.time_s >= split.load_all_s:
         return 0
+    expected = split.time_s + book.split_error(hit.tokens)
+    if expected >= split.recompute_all_s and device_tokens == 0:
+        return split.hit_tokens  # splits of this size have run late: recomputing is safer
+    book.pending_split = (hit.tokens, split.time_s)
     return split.recompute_tokens
+
+
+def split_bucket(hit_tokens: int) -> int:
+    """Hits within a factor of two share what their splits taught (log2 of the size)."""
+    return max(int(hit_tokens), 1).bit_length()

@@ -51,6 +51,11 @@ def cache_stats(ctx: CacheContext, controller: Any, pinned_budget: Any) -> dict[
                   "collective_calls": controller.ranks.calls},
         "rates": {"prefill_tokens_per_s": ctx.rates.prefill_tokens_per_s if ctx.rates else None,
                   "read_bytes_per_s": {t: r for t, (r, _) in ctx.rates.rates.items()}
+                  if ctx.rates else {},
+                  "fixed_s_per_load": {t: f for t, (_, f) in ctx.rates.rates.items()}
+                  if ctx.rates else {},
+                  "split_late_s_by_size": {f"<{1 << b}": v for b, v in
+                                           sorted(ctx.rates.split_errors.items())}
                   if ctx.rates else {}},
     }
     if ctx.workers is not None:

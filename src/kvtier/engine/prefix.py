@@ -59,6 +59,7 @@ class PrefixState:
     loaded: Any = None
     span: tuple[int, int, list[int]] | None = None
     committed_pages: int = 0
+    split: tuple[int, float, float] | None = None   # (hit tokens, predicted s, start) of a split
 
 
 class PrefixCache:
@@ -111,6 +112,8 @@ class PrefixCache:
         report.matched_tokens = hit.tokens
         head = self._head_tokens(hit)
         whole = head >= hit.tokens  # nothing to load: the hit runs in the prompt's one forward
+        rates = getattr(self.tiered.controller, "rates", None)
+        pending = getattr(rates, "pending_split", None) if 0 < head < hit.tokens else None
         kv = self.lm.new_cache()
         if head and not whole:  # the store reads start before the head's forward is launched
             self.tiered.prefetch(hit, recompute_tokens=head)
@@ -120,6 +123,8 @@ class PrefixCache:
         finally:
             joined()
         state = PrefixState(salt, loaded)
+        if pending is not None:
+            state.split = (pending[0], pending[1], started)
         try:
             state.span = span = self._usable_span(loaded, head)
             room = len(prompt) - span[1] + DECODE_ROOM_TOKENS if span else 0
@@ -143,7 +148,13 @@ class PrefixCache:
         return kv, logits, state
 
     def commit_prompt(self, state: PrefixState, prompt: list[int], kv: Any) -> None:
-        """Commit the prompt's full pages (after the first token went out), release the pins."""
+        """Commit the prompt's full pages (after the first token went out), release the pins.
+        A split's time to this first token teaches the planner how late splits run."""
+        if state.split is not None:
+            hit_tokens, predicted, started = state.split
+            state.split = None
+            self.tiered.controller.rates.observe_split(hit_tokens, predicted,
+                                                       time.perf_counter() - started)
         try:
             state.committed_pages = self._commit(prompt, kv, state.salt, state.span)
         finally:
