@@ -255,3 +255,26 @@ def test_plan_split_recomputes_a_head_only_when_it_pays() -> None:
         assert cache.plan_split(hit) == 8 * P  # loading is hopeless: recompute all
         serve(cache, tokens)
         assert cache.plan_split(cache.match(tokens)) == 0  # a device hit is never recomputed
+
+
+@pytest.mark.parametrize(("flag", "name"), [(None, "retention"), ("lru", "lru"), ("lrfu", "lrfu")])
+def test_the_configured_eviction_policy_runs_the_device_and_host_tiers(flag, name) -> None:
+    from cache_support import NAMESPACE
+    from kvtier.cache import TieredCache
+    from kvtier.config import build_config
+
+    flags = {"cache.page_size": P, "cache.device_pages": 8,
+             "host.pool_bytes": 16 * LAYOUT.page_bytes}
+    if flag is not None:
+        flags["cache.eviction_policy"] = flag
+    cache = TieredCache.build(build_config(env={}, flags=flags), LAYOUT, NAMESPACE)
+    try:
+        from kvtier.index.residency import TIER_INDEX
+
+        for tier in ("device", "host"):
+            assert cache.ctx.index.ledgers[TIER_INDEX[tier]].policy.name == name
+        for seed in range(6):  # more than the device holds: the policy picks what goes
+            serve(cache, prompt(3, seed))
+        cache.check_integrity()
+    finally:
+        cache.close()

@@ -89,7 +89,8 @@ class TieredCache:
             allocators["host"] = host_pool.allocator
         ctrl = config.controller
         ctx = CacheContext(
-            index=RadixIndex(layout.page_size, allocators=allocators), namespace=namespace,
+            index=RadixIndex(layout.page_size, allocators=allocators,
+                             policies=config.cache.eviction_policy), namespace=namespace,
             config=ctrl, device_pool=device_pool, host_pool=host_pool,
             copy=CopyEngine(device_pool, host_pool, path=config.host.copy_path,
                             staging_bytes=config.host.copy_staging_bytes)
