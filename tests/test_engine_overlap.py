@@ -7,12 +7,11 @@ pages are poisoned until then, so reading a layer before waiting for it gives wr
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from test_engine_cache_matrix import NEW_TOKENS, TOLERANCE, build, reference, through
+from test_engine_prefix import _prompt
 from test_engine_support import tiny_lm
 
 
@@ -61,11 +60,6 @@ class LazyCopy:
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 1000) for _ in range(n)]
 
 
 @pytest.fixture

@@ -32,7 +32,9 @@ def test_fixed_cost_of_a_separate_forward_makes_small_splits_recompute_all():
     assert costly.time_s <= costly.recompute_all_s and costly.time_s <= costly.load_all_s
 
 
-def test_engine_falls_back_to_recompute_after_slow_disk_loads(tmp_path):
+def _disk_hit(tmp_path):
+    """A prefix cache with a disk tier, an engine and a prompt whose 8 pages only the disk
+    holds (device and host dropped)."""
     from kvtier.engine.prefix import PrefixCache
     from kvtier.engine.request import PrefillReport
 
@@ -41,11 +43,17 @@ def test_engine_falls_back_to_recompute_after_slow_disk_loads(tmp_path):
                          controller__prefetch_policy="wait_complete",
                          store__disk_url=f"file://{tmp_path}/disk")
     cache = PrefixCache.build(config, lm)
+    prompt = list(range(40, 40 + 16 * 8 + 5))
+    _serve(cache, prompt, PrefillReport)
+    cache.drop_tiers(("device", "host"))
+    return lm, cache, prompt, cache.tiered.controller.rates
+
+
+def test_engine_falls_back_to_recompute_after_slow_disk_loads(tmp_path):
+    from kvtier.engine.request import PrefillReport
+
+    lm, cache, prompt, rates = _disk_hit(tmp_path)
     try:
-        rates = cache.tiered.controller.rates
-        prompt = list(range(40, 40 + 16 * 8 + 5))
-        _serve(cache, prompt, PrefillReport)
-        cache.drop_tiers(("device", "host"))
         rates.prefill_tokens_per_s = 1e4
         rates.rates["disk"] = (1e12, 0.0)  # believed fast: the hit is loaded whole
         report = _serve(cache, prompt, PrefillReport)
@@ -95,19 +103,10 @@ def test_prefills_of_one_length_do_not_give_a_curve():
 
 
 def test_a_split_that_ran_late_makes_hits_of_that_size_recompute(tmp_path):
-    from kvtier.engine.prefix import PrefixCache
     from kvtier.engine.request import PrefillReport
 
-    lm = tiny_lm()
-    config = make_config(controller__min_prefetch_tokens=0,
-                         controller__prefetch_policy="wait_complete",
-                         store__disk_url=f"file://{tmp_path}/disk")
-    cache = PrefixCache.build(config, lm)
+    lm, cache, prompt, rates = _disk_hit(tmp_path)
     try:
-        rates = cache.tiered.controller.rates
-        prompt = list(range(40, 40 + 16 * 8 + 5))
-        _serve(cache, prompt, PrefillReport)
-        cache.drop_tiers(("device", "host"))
         rates.rates["disk"] = (lm.kv_layout(16).bytes_per_token * 5000.0, 0.0)
         rates.prefill_tokens_per_s = 5000.0  # loading as slow as recomputing: split in half
         report = _serve(cache, prompt, PrefillReport)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import random
 import socket
-import threading
 import time
 from collections.abc import Iterator
 
@@ -24,6 +23,7 @@ from kvtier.store.redis_verify import PageJudge, Verdicts
 from kvtier.store.redis_wire import ProtocolError, ReplyReader, ServerError, pack, pack_key_command
 from redis_server import RedisServer, needs_redis, running_server
 from store_contract import key_for, page_bytes_for
+from test_store_redis_wire import feed
 
 HEADER = 8
 PAGE = 1000
@@ -39,17 +39,6 @@ def header(i: int) -> bytes:
 
 def payload(i: int) -> bytes:
     return random.Random(i).randbytes(PAGE)
-
-
-def feed(sock: socket.socket, data: bytes, step: int) -> threading.Thread:
-    def run() -> None:
-        for i in range(0, len(data), step):
-            sock.sendall(data[i:i + step])
-            time.sleep(0)
-
-    th = threading.Thread(target=run)
-    th.start()
-    return th
 
 
 def stream_of(kinds: str) -> bytes:
