@@ -72,11 +72,11 @@ class HostConfig:
                                    "read ring, staging). Set it from the machine's real limit.",
                                    minimum=0, size=True)
     layout: str = opt("page_first", "Host pool layout.", choices=("page_first", "layer_first"))
-    copy_path: str = opt("kernel", "How pages cross the bus: kernel (UVA copy kernels, ~92% of the "
-                         "bus each way) or copy_engine (the GPU's copy engines through device "
-                         "staging: no SMs used, loads and stores at once reach the duplex rate; "
-                         "needs page_first and a CUDA 12.8+ driver).",
-                         choices=("kernel", "copy_engine"))
+    copy_path: str = opt("kernel", "How pages cross the bus: kernel (UVA copy kernels, over 90 "
+                         "percent of the bus each way) or copy_engine (the GPU's copy engines "
+                         "through device staging: no SMs used, and loads and stores at once "
+                         "share the bus better with large pages; needs page_first and a CUDA "
+                         "12.8+ driver).", choices=("kernel", "copy_engine"))
     copy_staging_bytes: int = opt(64 << 20, "Device staging per direction for the copy_engine "
                                   "path (at least one page).", minimum=1 << 20, size=True)
     prefetch_share: float = opt(0.5, "Share of the host pool reserved for prefetch landing; the "
@@ -299,8 +299,9 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         choices = f.metadata.get("choices")
         shown = "***" if f.metadata.get("secret") and f.default else f.default
         text = f"{f.metadata['help']} [default: {shown!s}]"
+        text += f" {{{', '.join(choices)}}}" if choices else ""
         parser.add_argument(*names, dest=f"cfg:{path}", default=None, metavar="VALUE",
-                            help=text + (f" {{{', '.join(choices)}}}" if choices else ""))
+                            help=text.replace("%", "%%"))  # argparse %-formats help
 
 
 def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> KvtierConfig:
