@@ -79,3 +79,29 @@ def test_batch_copy_checks_its_arrays():
     batch = host_memmove()
     with pytest.raises(ValueError, match="sizes"):
         batch.copy(np.zeros(2, np.uint64), np.zeros(2, np.uint64), np.zeros(1, np.uint64), 0)
+
+
+def test_consecutive_host_pages_cross_as_one_copy():
+    dev, host = make_pools(LAYOUT, 9, 11, "page_first", seed=7)
+    want_dev, want_host = make_pools(LAYOUT, 9, 11, "page_first", seed=7)
+    engine, batch = _engine(dev, host, staging_pages=8)
+    src, dst = [2, 3, 4, 5, 9, 0, 1], [1, 8, 4, 0, 6, 3, 2]
+    engine.load(src, dst).wait(0)
+    assert batch.calls == 1 and batch.copies == 3  # runs 2-5, 9, 0-1
+    engine.store(dst, [6, 7, 8, 10, 2, 3, 4]).wait(0)
+    assert batch.copies == 3 + 3  # runs 6-8, 10, 2-4
+    part_by_part("load", want_dev, want_host, src, dst, range(LAYOUT.num_layers))
+    part_by_part("store", want_dev, want_host, dst, [6, 7, 8, 10, 2, 3, 4],
+                 range(LAYOUT.num_layers))
+    got, want = snapshot(dev, host), snapshot(want_dev, want_host)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_merge_runs_keeps_copies_that_do_not_continue_each_other():
+    from kvtier.transfer.staged import merge_runs
+
+    dsts = np.array([0, 10, 20, 40], np.uint64)
+    srcs = np.array([100, 110, 200, 210], np.uint64)
+    sizes = np.full(4, 10, np.uint64)
+    merged = merge_runs(dsts, srcs, sizes)
+    assert [a.tolist() for a in merged] == [[0, 20, 40], [100, 200, 210], [20, 10, 10]]

@@ -9,7 +9,8 @@ also leaves the SMs to the forward pass that a layer-by-layer load overlaps.
 In the ``page_first`` host layout each page, and each layer of a page (its K and V side by
 side), is one contiguous host range. So a batch crosses the bus as one copy-engine copy per page
 (whole-page copies) or per page and layer (one layer at a time), into or out of a dense staging
-buffer in device memory, issued by one ``cuMemcpyBatchAsync`` call per chunk; kvtier's kernel
+buffer in device memory, issued by one ``cuMemcpyBatchAsync`` call per chunk (whole pages with
+consecutive host ids go as one copy: the allocator hands out runs); kvtier's kernel
 does the scattered side device-to-device (HBM speed: a few percent of the bus time). A batch
 larger than the staging buffer goes through in chunks; everything is enqueued on the caller's
 current stream, so a chunk never overwrites staging that the previous chunk still reads.
@@ -85,7 +86,7 @@ class StagedCopier:
         sizes = np.full(n, unit, dtype=np.uint64)
         stream = _current_stream(self._device_kv)
         if plan.direction == "load":
-            self._batch.copy(staged, hosted, sizes, stream)
+            self._batch.copy(*merge_runs(staged, hosted, sizes), stream)
             scatter = CopyPlan("load", staging_geo, plan.dst, dense, plan.dst_ids[lo:hi],
                                first, count)
             launch_copy(scatter, self._device_kv, staging, self._config)
@@ -93,7 +94,21 @@ class StagedCopier:
             gather = CopyPlan("store", plan.src, staging_geo, plan.src_ids[lo:hi], dense,
                               first, count)
             launch_copy(gather, self._device_kv, staging, self._config)
-            self._batch.copy(hosted, staged, sizes, stream)
+            self._batch.copy(*merge_runs(hosted, staged, sizes), stream)
+
+
+def merge_runs(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray,
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Join copies that continue each other on both sides (consecutive host pages into
+    consecutive staging slots) into one: fewer, larger copy-engine copies."""
+    if sizes.size < 2:
+        return dsts, srcs, sizes
+    ends_dst, ends_src = dsts[:-1] + sizes[:-1], srcs[:-1] + sizes[:-1]
+    breaks = (dsts[1:] != ends_dst) | (srcs[1:] != ends_src)
+    starts = np.concatenate(([0], np.flatnonzero(breaks) + 1))
+    if starts.size == sizes.size:
+        return dsts, srcs, sizes
+    return dsts[starts], srcs[starts], np.add.reduceat(sizes, starts)
 
 
 def _current_stream(tensor: torch.Tensor) -> int:
