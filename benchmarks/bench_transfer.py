@@ -40,7 +40,6 @@ from kvtier.transfer.plan import CopyPlan
 from transfer_baselines import (
     GIB,
     Setup,
-    ce_batch_copy,
     duplex_time,
     gather_copy,
     gbs,
@@ -97,7 +96,7 @@ def _ce_row(setup: Setup, plan: CopyPlan, peak: float, ce: Any, reps: int) -> di
         arrays = ce_arrays(setup, plan)
         side = torch.cuda.Stream()
         with torch.cuda.stream(side):
-            seconds = gpu_time(lambda: ce_batch_copy(ce, arrays, side.cuda_stream), reps)
+            seconds = gpu_time(lambda: ce.copy(*arrays, side.cuda_stream), reps)
         return row(kib, plan.direction, "cuMemcpyBatchAsync (copy engines)", plan.nbytes, seconds,
                    peak)
     except Exception as exc:  # report and carry on: the driver may lack the entry point
@@ -153,8 +152,8 @@ def _duplex_with_ce(setup: Setup, peak: float, best: dict[str, KernelConfig],
         load_arr, store_arr = ce_arrays(setup, setup.load), ce_arrays(setup, setup.store)
         kern_load = setup.kernel(setup.load, best["load"])
         kern_store = setup.kernel(setup.store, best["store"])
-        ce_load = lambda: ce_batch_copy(ce, load_arr, streams[0].cuda_stream)  # noqa: E731
-        ce_store = lambda: ce_batch_copy(ce, store_arr, streams[1].cuda_stream)  # noqa: E731
+        ce_load = lambda: ce.copy(*load_arr, streams[0].cuda_stream)  # noqa: E731
+        ce_store = lambda: ce.copy(*store_arr, streams[1].cuda_stream)  # noqa: E731
         host = torch.empty(nbytes[0], dtype=torch.uint8, pin_memory=True)
         dev = torch.empty(nbytes[0], dtype=torch.uint8, device="cuda")
         flat_load = lambda: dev.copy_(host, non_blocking=True)  # noqa: E731

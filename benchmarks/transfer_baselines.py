@@ -73,11 +73,6 @@ def part_addresses(plan: CopyPlan, src_base: int, dst_base: int) -> tuple[np.nda
     return dsts, srcs, sizes
 
 
-def ce_batch_copy(batch: Any, arrays: tuple[np.ndarray, ...], stream: int) -> None:
-    """Every part of ``arrays`` (dsts, srcs, sizes) in one batched copy-engine call."""
-    batch.copy(*arrays, stream)
-
-
 # ---- one part size -------------------------------------------------------------------------------
 class Setup:
     """Pools of one part size and random scattered batches over them."""

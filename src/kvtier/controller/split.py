@@ -24,13 +24,15 @@ within a factor of two, is added to later predictions, so a split that loses to 
 (fixed costs the model misses: a second forward's launches, a cold first read) is not taken
 again and the hit is recomputed instead. Until a prefill
 rate is known the split is 0 (load everything: from RAM loading wins outright). Engine thread
-only; no torch.
+only; numpy, no torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from kvtier.controller.handles import Hit
 from kvtier.planner import load_tokens_per_s, split_hit
@@ -86,16 +88,14 @@ class QuadraticFit:
     """Exponentially weighted least squares of ``y = a + b * x + c * x**2`` (x in thousands,
     to keep the normal equations well conditioned)."""
 
-    sums: list[float] = field(default_factory=lambda: [0.0] * 7)   # w, x..x^4, y, xy
-    sxxy: float = 0.0
+    sums: list[float] = field(default_factory=lambda: [0.0] * 8)   # w, x..x^4, y, xy, xxy
     lengths: list[float] = field(default_factory=list)              # recent x, for the spread
 
     def add(self, x: float, y: float, smoothing: float = SMOOTHING) -> None:
         keep = 1.0 - smoothing if self.lengths else 0.0
         k = x / 1000.0
-        terms = (1.0, k, k * k, k ** 3, k ** 4, y, k * y)
+        terms = (1.0, k, k * k, k ** 3, k ** 4, y, k * y, k * k * y)
         self.sums = [s * keep + t for s, t in zip(self.sums, terms, strict=True)]
-        self.sxxy = self.sxxy * keep + k * k * y
         self.lengths = (self.lengths + [k])[-16:]
 
     def solve(self) -> tuple[float, float, float] | None:
@@ -104,30 +104,15 @@ class QuadraticFit:
         distinct = sorted(set(round(k, 3) for k in self.lengths))
         if len(distinct) < 3 or distinct[-1] < 2 * distinct[0]:
             return None
-        w, x1, x2, x3, x4, y, xy = self.sums
-        rows = [[w, x1, x2, y], [x1, x2, x3, xy], [x2, x3, x4, self.sxxy]]
-        solved = _solve3(rows)
-        if solved is None:
+        w, x1, x2, x3, x4, y, xy, xxy = self.sums
+        try:
+            a, b, c = np.linalg.solve([[w, x1, x2], [x1, x2, x3], [x2, x3, x4]],
+                                      [y, xy, xxy]).tolist()
+        except np.linalg.LinAlgError:
             return None
-        a, b, c = solved
         if c < 0 or b < 0:
             return None
         return max(0.0, a), b / 1000.0, c / 1e6
-
-
-def _solve3(rows: list[list[float]]) -> tuple[float, float, float] | None:
-    """Gaussian elimination with partial pivoting on a 3x4 augmented matrix."""
-    m = [list(r) for r in rows]
-    for col in range(3):
-        pivot = max(range(col, 3), key=lambda r: abs(m[r][col]))
-        if abs(m[pivot][col]) < 1e-12:
-            return None
-        m[col], m[pivot] = m[pivot], m[col]
-        for r in range(3):
-            if r != col:
-                f = m[r][col] / m[col][col]
-                m[r] = [v - f * p for v, p in zip(m[r], m[col], strict=True)]
-    return m[0][3] / m[0][0], m[1][3] / m[1][1], m[2][3] / m[2][2]
 
 
 @dataclass

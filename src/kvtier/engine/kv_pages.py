@@ -75,15 +75,6 @@ def append_pages(cache: Any, kv: torch.Tensor, page_ids: Sequence[int],
     return tokens
 
 
-def materialize(cache: Any) -> None:
-    """Gather every layer still waiting for its pages (before reading the cache outside a
-    forward, e.g. to crop it)."""
-    for layer in cache.layers:
-        fill = getattr(layer, "fill_pending", None)
-        if fill is not None:
-            fill()
-
-
 #: Spare tokens a ``RoomyLayer`` keeps when it grows: at least this, or an eighth of its length.
 MIN_ROOM_TOKENS = 256
 

@@ -157,9 +157,6 @@ class CopyEngine:
         batch = batch_copy or (load_batch_copy() if self._device.type == "cuda" else None)
         if batch is None:
             return {}, "the CUDA driver has no cuMemcpyBatchAsync (12.8 or newer)"
-        if staging_bytes < self._device_pool.layout.page_bytes:
-            raise ValueError(f"copy staging of {staging_bytes} bytes holds no page of "
-                             f"{self._device_pool.layout.page_bytes} bytes")
         self.batch_copy = batch
         return {direction: StagedCopier(
             self._device_pool.kv, self._host_pool.buffer, self._host_geo,
