@@ -2,7 +2,9 @@
 
 For each prefix length this runs, through ``PrefixCache`` directly (no scheduler, no HTTP):
 recompute (kvtier off), a device hit, a host hit loaded under the forward (``overlap``) and one
-waited for whole, each with a fresh 32-token suffix, median of ``--repeats``. For every hit it
+waited for whole, each with a fresh 32-token suffix, median of ``--repeats``; the hits run the
+captured suffix forward (``kvtier.engine.graphs``) where ``--graph-tokens`` allows, and the
+device and overlapped host hits once more on transformers' eager forward. For every hit it
 reports the host time spent in match, load, append and the forward's launches, and the rest
 (the device finishing the work the host queued). It also times the suffix forward alone on a
 plain transformers cache: launch time (until ``forward`` returns) and the device total, which
@@ -29,6 +31,8 @@ from kvtier.engine.hf import load_model
 from kvtier.engine.prefix import PrefixCache
 from kvtier.engine.request import PrefillReport
 from kvtier.machine import format_table, write_report
+from kvtier.transfer.copy_engine import LOAD_PRIORITY
+from kvtier.transfer.kernels import KernelConfig
 
 PHASES = ("match", "load", "append", "forward_launch")
 
@@ -53,6 +57,9 @@ class PhaseClock:
         tiered.load = self._wrap("load", tiered.load)
         kv_pages.append_pages = self._wrap("append", kv_pages.append_pages)
         lm.forward = self._wrap("forward_launch", lm.forward)
+        if cache.graphs is not None:  # a captured suffix forward launches in its place
+            self._undo.append((cache.graphs, "forward", cache.graphs.forward))
+            cache.graphs.forward = self._wrap("forward_launch", cache.graphs.forward)
 
     def _wrap(self, phase: str, fn: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -95,20 +102,28 @@ def hit_once(cache: PrefixCache, prompt: list[int]) -> dict[str, float]:
 
 def same_logits(cache: PrefixCache, prompt: list[int]) -> dict[str, float]:
     """The last logits of one prompt served as a device hit, a host hit loaded under the forward
-    and one waited for: the KV bytes are the same, so the logits must be identical."""
+    and one waited for: the KV bytes are the same, so the logits must be identical. Where
+    captured graphs serve the hits, the eager forward's logits are added (padded GEMMs may round
+    differently) with whether the first token agrees."""
     logits = {}
     hit_once(cache, prompt)
-    for name, drop, overlap in (("device", (), True), ("host overlapped", ("device",), True),
-                                ("host waited", ("device",), False)):
-        cache.overlap = overlap
+    graphs = cache.graphs
+    cases = [("device", (), True, graphs), ("host overlapped", ("device",), True, graphs),
+             ("host waited", ("device",), False, graphs)]
+    if graphs is not None:
+        cases += [("device, eager", (), True, None), ("host overlapped, eager", ("device",), True, None)]
+    for name, drop, overlap, static in cases:
+        cache.overlap, cache.graphs = overlap, static
         if drop:
             cache.drop_tiers(drop)
         kv, out, state = cache.prefill(prompt, None, PrefillReport(len(prompt)))
         logits[name] = out.clone()
         cache.commit_prompt(state, prompt, kv)
         cache.settle()
-    cache.overlap = True
-    return {name: float((value - logits["device"]).abs().max()) for name, value in logits.items()}
+    cache.overlap, cache.graphs = True, graphs
+    gaps = {name: float((value - logits["device"]).abs().max()) for name, value in logits.items()}
+    gaps["same first token"] = float(len({int(v.argmax()) for v in logits.values()}) == 1)
+    return gaps
 
 
 def recompute_once(lm: Any, prompt: list[int]) -> float:
@@ -176,13 +191,14 @@ def profile_host_hit(cache: PrefixCache, prompt: list[int], path: Path) -> None:
     table = prof.key_averages()
     path.write_text(table.table(sort_by="self_cuda_time_total", row_limit=25) + "\n\n"
                     + table.table(sort_by="cpu_time_total", row_limit=25) + "\n")
+    prof.export_chrome_trace(str(path.with_suffix(".trace.json")))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     flags = {"engine.model": args.model, "engine.device": args.device, "engine.dtype": args.dtype,
              "cache.page_size": args.page_size, "host.pool_bytes": args.host_pool_bytes,
              "host.pinned_budget_bytes": args.pinned_budget_bytes, "store.disk_url": args.disk,
-             "controller.prefetch_policy": "wait_complete"}
+             "controller.prefetch_policy": "wait_complete", "engine.graph_tokens": args.graph_tokens}
     config = build_config(env={}, flags=flags)
     lm = load_model(args.model, device=args.device, dtype=args.dtype, attention=args.attention)
     cache = PrefixCache.build(config, lm)
@@ -208,23 +224,46 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 hit_once(cache, prompt)  # the miss path fills the tiers
                 samples.setdefault("device", []).append(hit_once(cache, prefix + tokens(args.suffix)))
                 if getattr(lm.model.config, "_attn_implementation", "") == "kvtier":
+                    # eager: a captured graph keeps the attention it was captured with
                     lm.model.set_attn_implementation("sdpa")
+                    graphs, cache.graphs = cache.graphs, None
                     cache.drop_tiers(("device",))
-                    samples.setdefault("host overlapped, sdpa attention", []).append(
+                    samples.setdefault("host overlapped, sdpa attention, eager", []).append(
                         hit_once(cache, prefix + tokens(args.suffix)))
                     lm.model.set_attn_implementation("kvtier")
+                    cache.graphs = graphs
                 if cache.tiered.ctx.copy.asynchronous:
                     swap_copy_path(cache, "copy_engine")
                     cache.drop_tiers(("device",))
                     samples.setdefault("host overlapped, copy engines", []).append(
                         hit_once(cache, prefix + tokens(args.suffix)))
                     swap_copy_path(cache, "kernel")
+                if cache.tiered.ctx.copy.asynchronous:  # the copy not preferred over the forward
+                    cache.tiered.ctx.copy.set_load_priority(0)
+                    cache.drop_tiers(("device",))
+                    samples.setdefault("host overlapped, load at normal priority", []).append(
+                        hit_once(cache, prefix + tokens(args.suffix)))
+                    cache.tiered.ctx.copy.set_load_priority(LOAD_PRIORITY)
+                    for programs in args.load_programs:  # the copy held to part of the chip
+                        cache.tiered.ctx.copy._configs["load"] = KernelConfig(max_programs=programs)
+                        cache.drop_tiers(("device",))
+                        samples.setdefault(f"host overlapped, load on {programs} programs",
+                                           []).append(hit_once(cache, prefix + tokens(args.suffix)))
+                    cache.tiered.ctx.copy._configs["load"] = None
                 for overlap in (True, False):
                     cache.overlap = overlap
                     cache.drop_tiers(("device",))
                     key = "host overlapped" if overlap else "host waited"
                     samples.setdefault(key, []).append(hit_once(cache, prefix + tokens(args.suffix)))
                 cache.overlap = True
+                if cache.graphs is not None:  # the same hits on transformers' eager forward
+                    graphs, cache.graphs = cache.graphs, None
+                    samples.setdefault("device, eager", []).append(
+                        hit_once(cache, prefix + tokens(args.suffix)))
+                    cache.drop_tiers(("device",))
+                    samples.setdefault("host overlapped, eager", []).append(
+                        hit_once(cache, prefix + tokens(args.suffix)))
+                    cache.graphs = graphs
             if args.disk:
                 disk_cases(cache, prefix, tokens, args, samples)
             alone = suffix_alone(lm, prefix, tokens(args.suffix), args.repeats)
@@ -247,7 +286,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         cache.close()
     setup = flags | {"suffix_tokens": args.suffix, "repeats": args.repeats,
-                     "attention": args.attention}
+                     "attention": args.attention,
+                     "graphs": None if cache.graphs is None else cache.graphs.stats()}
     return {"rows": rows, "raw": raw, "logit_gaps": consistency, "setup": setup}
 
 
@@ -271,6 +311,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--suffix", type=int, default=32)
     parser.add_argument("--attention", default="kvtier", choices=("kvtier", "sdpa"))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--load-programs", type=lambda s: [int(x) for x in s.split(",") if x],
+                        default=[16, 32], help="also time host hits with the load kernel's grid "
+                        "capped at each of these")
+    parser.add_argument("--graph-tokens", type=int, default=8192,
+                        help="engine.graph_tokens (0: transformers' eager forward only)")
     parser.add_argument("--host-pool-bytes", default="16GiB")
     parser.add_argument("--pinned-budget-bytes", default="24GiB")
     parser.add_argument("--disk", default="", help="a file:// URL: add cold-disk hits")

@@ -43,6 +43,10 @@ class EngineConfig:
     attention: str = opt("kvtier", "Attention kernels: kvtier (split-KV Triton kernels for a "
                          "few new tokens over a long past on CUDA, sdpa otherwise) or sdpa.",
                          choices=("kvtier", "sdpa"))
+    graph_tokens: int = opt(8192, "Longest past + new tokens a captured (CUDA graph) forward "
+                            "serves after a cache hit; its static KV takes this many tokens of "
+                            "device memory (1 GiB for an 8B model at 8192). 0: no graphs. CUDA "
+                            "with the kvtier attention only.", minimum=0)
     max_new_tokens: int = opt(256, "Default cap on generated tokens per request.", minimum=1)
     seed: int = opt(0, "Seed for random-weight presets, so every process builds the same model.",
                     minimum=0)

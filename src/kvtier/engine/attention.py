@@ -16,12 +16,18 @@ query ``i`` of ``M`` sees keys ``0 .. N - M + i``; that is the engine's only cas
 sequence, the new tokens last), so the mask tensor transformers builds is not read.
 
 Used on CUDA for bf16/fp16 when the new tokens are few (``MAX_QUERY_TOKENS``); anything else
-(the CPU, long prompts, fp32, a dropout, a softcap) goes to transformers' sdpa. Engine thread.
+(the CPU, long prompts, fp32, a dropout, a softcap) goes to transformers' sdpa. Inside
+``device_past(past)`` (a captured forward, ``kvtier.engine.graphs``) every call takes the
+kernels, over buffers longer than the sequence: the past's length is then read from the device
+tensor ``past`` when the kernels run, so one captured launch serves every length. Engine thread.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -42,12 +48,34 @@ BLOCK_N = 64
 _VARYING = ["n_queries", "n_keys", "chunk", "n_splits"]
 
 
+#: The past's length on the device, inside ``device_past`` (None: sizes come from the shapes).
+_DEVICE_PAST: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar(
+    "kvtier_device_past", default=None)
+
+
+@contextlib.contextmanager
+def device_past(past: torch.Tensor) -> Iterator[None]:
+    """Within: attention calls take the split-KV kernels whatever the device and dtype, and
+    read the past's length from ``past`` (a one-element integer tensor on the model's device)
+    when they run; keys and values may be longer than past + new tokens."""
+    token = _DEVICE_PAST.set(past)
+    try:
+        yield
+    finally:
+        _DEVICE_PAST.reset(token)
+
+
 @triton.jit(do_not_specialize=_VARYING)
-def _partial_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
+def _partial_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, past_ptr,
                     sq_h, sq_m, sk_h, sk_n, sv_h, sv_n,
                     n_queries, n_keys, n_rep, chunk, n_splits, scale_log2,
-                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One KV head, one slice of the past, ``BLOCK_M`` query rows (query head, position)."""
+                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    PAST_ON_DEVICE: tl.constexpr):
+    """One KV head, one slice of the past, ``BLOCK_M`` query rows (query head, position).
+    ``PAST_ON_DEVICE``: ``n_keys`` is ``*past_ptr + n_queries`` and the slices are cut here."""
+    if PAST_ON_DEVICE:
+        n_keys = tl.load(past_ptr).to(tl.int32) + n_queries
+        chunk = tl.cdiv(tl.cdiv(n_keys, n_splits), BLOCK_N) * BLOCK_N
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
     rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -116,10 +144,14 @@ def _splits(kv_heads: int, row_blocks: int, n_keys: int, device: torch.device) -
 
 
 def split_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                       scaling: float | None = None, splits: int | None = None) -> torch.Tensor:
+                       scaling: float | None = None, splits: int | None = None,
+                       past: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of ``query`` ``[1, heads, M, dim]`` over ``key``/``value``
     ``[1, kv_heads, N, dim]`` (N >= M, the new tokens last, any token and head strides with a
-    contiguous last dim). Returns ``[1, M, heads, dim]`` (transformers' attention output)."""
+    contiguous last dim). Returns ``[1, M, heads, dim]`` (transformers' attention output).
+    With ``past`` (a device tensor, read when the kernels run) only the first ``past + M``
+    positions of the keys and values count: the new tokens are those at ``past ..``; nothing
+    is read from the host, so the launch can be captured in a CUDA graph."""
     _, heads, n_queries, dim = query.shape
     kv_heads, n_keys = key.shape[1], key.shape[2]
     if query.shape[0] != 1 or key.shape[0] != 1 or heads % kv_heads or n_keys < n_queries:
@@ -137,18 +169,19 @@ def split_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     n_splits = min(splits or _splits(kv_heads, row_blocks, n_keys, query.device), MAX_SPLITS)
     chunk = -(-n_keys // n_splits)
     chunk = -(-chunk // BLOCK_N) * BLOCK_N
-    n_splits = -(-n_keys // chunk)
+    if past is None:  # on the device the slices are cut from the real length, empty ones skip
+        n_splits = -(-n_keys // chunk)
     scale = scaling if scaling is not None else 1.0 / math.sqrt(dim)
     partial = torch.empty((heads * n_queries, n_splits, dim), dtype=torch.float32,
                           device=query.device)
     lse = torch.empty((heads * n_queries, n_splits), dtype=torch.float32, device=query.device)
     out = torch.empty((1, n_queries, heads, dim), dtype=query.dtype, device=query.device)
     _partial_kernel[(kv_heads, n_splits, row_blocks)](
-        query, key, value, partial, lse,
+        query, key, value, partial, lse, lse if past is None else past,
         query.stride(1), query.stride(2), key.stride(1), key.stride(2),
         value.stride(1), value.stride(2),
         n_queries, n_keys, n_rep, chunk, n_splits, scale * math.log2(math.e),
-        HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N)
+        HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, PAST_ON_DEVICE=past is not None)
     _merge_kernel[(heads * n_queries,)](
         partial, lse, out, out.stride(1), out.stride(2), n_queries, n_splits,
         HEAD_DIM=dim, SPLITS=MAX_SPLITS)
@@ -170,7 +203,11 @@ def fits_split_kv(query: torch.Tensor, key: torch.Tensor, dropout: float,
 def kvtier_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0,
                      scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """transformers attention function: split-KV where it fits, sdpa otherwise."""
+    """transformers attention function: split-KV where it fits (always, with the past's length
+    read on the device, inside ``device_past``), sdpa otherwise."""
+    past = _DEVICE_PAST.get()
+    if past is not None:
+        return split_kv_attention(query, key, value, scaling, past=past), None
     if fits_split_kv(query, key, dropout, kwargs) and value.stride(-1) == 1:
         return split_kv_attention(query, key, value, scaling), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward

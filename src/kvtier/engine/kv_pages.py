@@ -64,8 +64,10 @@ def append_pages(cache: Any, kv: torch.Tensor, page_ids: Sequence[int],
            for layer in cache.layers[:kv.shape[0]]):
         capacity_pages = len(page_ids) + -(-max(reserve_tokens, 0) // page_size)
         index = _index(page_ids, kv.device)
+        # one allocation for every layer's buffers: fewer calls before the forward can start
+        buffers = kv.new_empty((kv.shape[0], kv.shape[1], capacity_pages, *kv.shape[3:]))
         for layer in range(kv.shape[0]):
-            cache.layers[layer].adopt_pages(kv[layer], index, capacity_pages, ticket, layer)
+            cache.layers[layer].adopt_pages(kv[layer], index, buffers[layer], ticket, layer)
         return tokens
     if ticket is not None:
         ticket.stream_wait()
@@ -98,22 +100,26 @@ def _roomy_class() -> type:
         _key_buffer: torch.Tensor | None = None
         _value_buffer: torch.Tensor | None = None
         _pending: tuple[Any, ...] | None = None
+        _ready: Any = None  # a CUDA event the buffers' last copy records (``take_static``)
 
         @torch.inference_mode()
         def adopt_pages(self, pool_layer: torch.Tensor, index: torch.Tensor,
-                        capacity_pages: int, ticket: Any, layer: int) -> None:
+                        buffer: torch.Tensor, ticket: Any, layer: int) -> None:
             """Hold the pages ``index`` of ``pool_layer`` (``[parts, pages, page_size, heads,
-            dim]``) as this layer's first tokens, with room up to ``capacity_pages`` pages.
-            The buffers are allocated now and filled on first use (``fill_pending``)."""
-            parts, _, page_size, heads, dim = pool_layer.shape
-            buffer = pool_layer.new_empty((parts, capacity_pages, page_size, heads, dim))
+            dim]``) as this layer's first tokens, in ``buffer`` (``[parts, capacity_pages,
+            page_size, heads, dim]``, room included), filled on first use (``fill_pending``)."""
+            parts, capacity_pages, page_size, heads, dim = buffer.shape
             flat = buffer.view(parts, capacity_pages * page_size, heads, dim).transpose(1, 2)
             self.adopt(flat[0].unsqueeze(0), flat[1].unsqueeze(0), index.numel() * page_size)
             self._pending = (pool_layer, index, buffer, ticket, layer)
 
         @torch.inference_mode()
         def fill_pending(self) -> None:
-            """Gather the adopted pages into the buffers, after the layer's copy on the device."""
+            """Gather the adopted pages into the buffers, after the layer's copy on the device
+            (and make the current stream wait for a copy into them still in flight)."""
+            if self._ready is not None:
+                torch.cuda.current_stream(self._key_buffer.device).wait_event(self._ready)
+                self._ready = None
             if self._pending is None:
                 return
             pool_layer, index, buffer, ticket, layer = self._pending
@@ -124,6 +130,43 @@ def _roomy_class() -> type:
             for part in range(pool_layer.shape[0]):
                 torch.index_select(pool_layer[part], 0, index, out=buffer[part, :count])
 
+        @torch.inference_mode()
+        def gather_into(self, static: torch.Tensor) -> None:
+            """Gather the adopted pages into ``static`` (``[parts, tokens, heads, dim]``,
+            token-major) after the layer's copy on the device; they stay adopted until
+            ``take_static``."""
+            pool_layer, index, _, ticket, layer = self._pending
+            if ticket is not None:
+                ticket.stream_wait(layer=layer)
+            count, page_size = index.numel(), pool_layer.shape[2]
+            for part in range(pool_layer.shape[0]):
+                out = static[part, :count * page_size].view(count, page_size, *static.shape[2:])
+                torch.index_select(pool_layer[part], 0, index, out=out)
+
+        @torch.inference_mode()
+        def take_static(self, static: torch.Tensor, length: int) -> None:
+            """Hold the first ``length`` tokens of ``static`` (as ``gather_into``) as this
+            layer's KV, in place of the adopted pages (copied on the current stream; if that is
+            a side stream, tell the layer with ``use_after``)."""
+            buffer = self._pending[2]
+            self._pending = None
+            flat = buffer.view(buffer.shape[0], -1, *buffer.shape[3:])
+            flat[:, :length].copy_(static[:, :length])
+            if buffer.is_cuda:
+                buffer.record_stream(torch.cuda.current_stream(buffer.device))
+            self.keys = self._key_buffer[..., :length, :]
+            self.values = self._value_buffer[..., :length, :]
+
+        def use_after(self, event: Any) -> None:
+            """Make the next use of the buffers wait on the device for ``event`` (a CUDA event
+            recorded after a copy into them on a side stream)."""
+            self._ready = event
+
+        @property
+        def room_tokens(self) -> int:
+            """Tokens the buffers hold at most without growing."""
+            return 0 if self._key_buffer is None else self._key_buffer.shape[-2]
+
         def adopt(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
             """Take ``keys``/``values`` ``[batch, heads, capacity, dim]`` as the buffers, of
             which the first ``length`` positions hold KV."""
@@ -133,7 +176,7 @@ def _roomy_class() -> type:
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                    **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-            if self._pending is not None:
+            if self._pending is not None or self._ready is not None:
                 self.fill_pending()
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
@@ -167,6 +210,11 @@ def _roomy_class() -> type:
             self._key_buffer, self._value_buffer = keys, values
 
     return RoomyLayer
+
+
+def pending_hit(layer: Any) -> Any:
+    """``layer`` if it is a ``RoomyLayer`` holding adopted pages not gathered yet, else None."""
+    return layer if getattr(layer, "_pending", None) is not None else None
 
 
 def roomy_layers(cache: Any) -> Any:

@@ -66,8 +66,9 @@ class PrefixCache:
     """Serves prefills from a ``TieredCache``; see the module docstring."""
 
     def __init__(self, lm: CausalLM, tiered: Any, *, split: str = "plan",
-                 overlap: bool = True) -> None:
+                 overlap: bool = True, graphs: Any = None) -> None:
         self.lm = lm
+        self.graphs = graphs  # SuffixGraphs: a fresh hit's new tokens run as captured graphs
         self.tiered = tiered
         self.page_size = int(tiered.page_size)
         self.split = split
@@ -86,7 +87,7 @@ class PrefixCache:
         namespace = KeyNamespace(lm.name, lm.fingerprint, lm.dtype_name, layout.fingerprint(),
                                  page_size)
         tiered = TieredCache.build(config, layout, namespace, device=str(lm.device))
-        return cls(lm, tiered, split=split)
+        return cls(lm, tiered, split=split, graphs=_suffix_graphs(config, lm))
 
     @property
     def split(self) -> str:
@@ -136,7 +137,7 @@ class PrefixCache:
             if past >= len(prompt):  # the last position must run to give the first token
                 kv.crop(len(prompt) - 1 - past)
                 reused, past = reused - (past - len(prompt) + 1), len(prompt) - 1
-            logits = self.lm.forward(self._tensor(prompt[past:]), kv)
+            logits = self._forward(prompt[past:], kv)
             if ticket is not None:  # whatever runs next on this stream sees the landed pages
                 ticket.stream_wait()
             self._account(report, hit, head, reused, len(prompt) - past - (head if whole else 0))
@@ -146,6 +147,14 @@ class PrefixCache:
             self.release(state)
             raise
         return kv, logits, state
+
+    def _forward(self, tokens: list[int], kv: Any) -> torch.Tensor:
+        """The prompt's rest after the hit: captured graphs where they serve it, else eager."""
+        if self.graphs is not None and self.graphs.accepts(kv, len(tokens)):
+            logits = self.graphs.forward(tokens, kv)
+            if logits is not None:
+                return logits
+        return self.lm.forward(self._tensor(tokens), kv)
 
     def commit_prompt(self, state: PrefixState, prompt: list[int], kv: Any) -> None:
         """Commit the prompt's full pages (after the first token went out), release the pins.
@@ -287,7 +296,10 @@ class PrefixCache:
         self.tiered.poll()
 
     def stats(self) -> dict[str, Any]:
-        return self.tiered.stats()
+        out = self.tiered.stats()
+        if self.graphs is not None:
+            out["graphs"] = self.graphs.stats()
+        return out
 
     def close(self) -> None:
         self._helper.shutdown(wait=True)
@@ -295,6 +307,18 @@ class PrefixCache:
 
     def _tensor(self, tokens: list[int]) -> torch.Tensor:
         return torch.tensor(tokens, dtype=torch.long, device=self.lm.device)
+
+
+def _suffix_graphs(config: KvtierConfig, lm: CausalLM) -> Any:
+    """``SuffixGraphs`` where they can serve (CUDA, the kvtier attention, a supported model,
+    ``engine.graph_tokens`` > 0), else None."""
+    from kvtier.engine import graphs
+
+    engine = config.engine
+    if (engine.graph_tokens <= 0 or engine.attention != "kvtier" or lm.device.type != "cuda"
+            or graphs.unsupported_reason(lm) is not None):
+        return None
+    return graphs.SuffixGraphs(lm, engine.graph_tokens)
 
 
 def _runs(pages: list[int], ids: list[int]) -> list[tuple[int, list[int]]]:

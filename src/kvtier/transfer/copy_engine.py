@@ -16,6 +16,10 @@ polls the event with a short sleep up to its timeout, and a consumer that needs 
 stream calls ``ticket.stream_wait()`` (a device-side dependency, no host wait).
 ``load_layerwise`` launches one kernel per layer with an event after each, so layer ``l`` of a
 forward pass can start as soon as its own KV has arrived (``ticket.stream_wait(layer=l)``).
+Those kernels run on a small grid (``LAYERWISE_LOAD_PROGRAMS``): the forward they overlap
+needs the SMs, and the bus does not (an 8B model's 4k-token host hit on the H200 reached its
+first token in 16 ms with 8 or 16 programs, 21 ms with one per SM:
+benchmarks/results/ttft_breakdown_graphs_h200.txt).
 
 ``path="copy_engine"`` moves the bytes with the GPU's copy engines instead of the UVA kernels
 (``staged.StagedCopier``: whole-page or page-and-layer copies through a fixed device staging
@@ -47,6 +51,10 @@ from kvtier.transfer.plan import (
 )
 from kvtier.transfer.reference import reference_copy
 
+#: CUDA stream priority of loads (lower is higher; the default streams have 0).
+LOAD_PRIORITY = -1
+#: Grid cap of layer-by-layer loads (when no ``load_config`` is given).
+LAYERWISE_LOAD_PROGRAMS = 16
 _FIRST_POLL_S = 20e-6
 _LONGEST_POLL_S = 1e-3
 
@@ -137,7 +145,14 @@ class CopyEngine:
         on_cuda = self._device.type == "cuda"
         self._use_kernels = on_cuda if use_kernels is None else use_kernels
         self._configs = {"load": load_config, "store": store_config}
-        self._streams = ({"load": torch.cuda.Stream(self._device),
+        self._layerwise_config = None
+        if on_cuda:
+            from kvtier.transfer.kernels import KernelConfig
+
+            self._layerwise_config = KernelConfig(max_programs=LAYERWISE_LOAD_PROGRAMS)
+        # Loads run at high priority: a hit's copy is what the forward waits for, so when both
+        # want the SMs the block scheduler starts the copy's programs first.
+        self._streams = ({"load": torch.cuda.Stream(self._device, priority=LOAD_PRIORITY),
                           "store": torch.cuda.Stream(self._device)} if on_cuda else {})
         self._counts = {"load": [0, 0, 0], "store": [0, 0, 0]}  # batches, pages, bytes
         self._staged: dict[str, Any] = {}
@@ -192,14 +207,16 @@ class CopyEngine:
         ``l`` once ``ticket.stream_wait(layer=l)`` is satisfied."""
         plan = make_plan("load", self._host_geo, self._device_geo, host_ids, device_ids, layers)
         start, count = layer_range(layers, self._device_geo.num_layers)
-        return self._submit(plan, [(layer, 1) for layer in range(start, start + count)])
+        return self._submit(plan, [(layer, 1) for layer in range(start, start + count)],
+                            self._configs["load"] or self._layerwise_config)
 
     def store(self, device_ids: Any, host_ids: Any, layers: Layers = None) -> Ticket:
         """Copy pages ``device_ids[i]`` of the device pool to ``host_ids[i]`` of the host pool."""
         plan = make_plan("store", self._device_geo, self._host_geo, device_ids, host_ids, layers)
         return self._submit(plan, [(plan.layer_start, plan.layer_count)])
 
-    def _submit(self, plan: CopyPlan, spans: list[tuple[int, int]]) -> Ticket:
+    def _submit(self, plan: CopyPlan, spans: list[tuple[int, int]],
+                config: Any = None) -> Ticket:
         counts = self._counts[plan.direction]
         counts[0] += 1
         counts[1] += plan.num_pages
@@ -210,7 +227,7 @@ class CopyEngine:
             for start, count in spans:
                 self._run_now(_with_layers(plan, start, count))
             return Ticket(plan.direction, plan.num_pages, plan.nbytes)
-        events = self._launch_on_side_stream(plan, spans)
+        events = self._launch_on_side_stream(plan, spans, config or self._configs[plan.direction])
         return Ticket(plan.direction, plan.num_pages, plan.nbytes, events, spans[0][0])
 
     def _run_now(self, plan: CopyPlan) -> None:
@@ -225,29 +242,36 @@ class CopyEngine:
             reference_copy(plan, self._device_pool.kv, self._host_pool.buffer,
                            self._host_pool.host_layout)
 
-    def _launch_on_side_stream(self, plan: CopyPlan, spans: list[tuple[int, int]]) -> list[Any]:
-        from kvtier.transfer.kernels import launch_copy, upload_ids
+    def _launch_on_side_stream(self, plan: CopyPlan, spans: list[tuple[int, int]],
+                               config: Any) -> list[Any]:
+        from kvtier.transfer.kernels import PreparedCopy
 
         stream = self._streams[plan.direction]
         stream.wait_stream(torch.cuda.current_stream(self._device))
         events = []
         with torch.cuda.stream(stream):
             kernels = self._use_kernels and not self._staged
-            ids = upload_ids(plan, self._device) if kernels else None
+            prepared = (PreparedCopy(plan, self._device_pool.kv, self._host_pool.buffer, config)
+                        if kernels else None)
             for start, count in spans:
-                part = _with_layers(plan, start, count)
                 if self._staged:
-                    self._staged[plan.direction].run(part)
-                elif kernels:
-                    launch_copy(part, self._device_pool.kv, self._host_pool.buffer,
-                                self._configs[plan.direction], ids=ids)
+                    self._staged[plan.direction].run(_with_layers(plan, start, count))
+                elif prepared is not None:
+                    prepared.launch(start, count)
                 else:
+                    part = _with_layers(plan, start, count)
                     reference_copy(part, self._device_pool.kv, self._host_pool.buffer,
                                    self._host_pool.host_layout)
                 event = torch.cuda.Event()
                 event.record(stream)
                 events.append(event)
         return events
+
+    def set_load_priority(self, priority: int) -> None:
+        """Run later loads on a new stream of ``priority`` (CUDA: lower is higher; 0 is the
+        default streams' priority). Call only when no load is in flight."""
+        if self._streams:
+            self._streams["load"] = torch.cuda.Stream(self._device, priority=priority)
 
     def stats(self) -> dict[str, Any]:
         """Batches, pages and bytes submitted per direction, and the path in use."""

@@ -151,32 +151,46 @@ def launch_copy(plan: CopyPlan, device_kv: torch.Tensor, host_buffer: torch.Tens
     """
     if plan.num_pages == 0:
         return None
-    install_triton_cache()
-    config = config or KernelConfig()
-    host_nbytes = _check_buffers(plan, device_kv, host_buffer)
-    host_buffer = host_buffer[:host_nbytes]
-    if plan.direction == "load":
-        src, dst = host_buffer, device_kv
-    else:
-        src, dst = device_kv, host_buffer
-    access = choose_access(plan.src.part_bytes, (src.data_ptr(), dst.data_ptr()),
-                           config.block_bytes)
-    if ids is None:
-        ids = upload_ids(plan, device_kv.device)
-    grid = (_grid_size(plan, access, config, device_kv.device),)
-    src_strides = _vector_strides(plan.src, access)
-    dst_strides = _vector_strides(plan.dst, access)
-    try:
-        return copy_parts_kernel[grid](
-            _as_elements(src, access.dtype), _as_elements(dst, access.dtype), ids,
-            plan.num_pages, plan.layer_count, plan.layer_start, access.chunks_per_part,
-            access.part_vecs, *src_strides, *dst_strides,
-            PARTS=plan.src.parts, VEC=access.vec, BLOCK=access.block, num_warps=config.num_warps)
-    except ValueError as exc:  # Triton found no device mapping for a pointer
-        if "cannot be accessed" not in str(exc):
-            raise
-        raise ValueError("the host pool buffer is not mapped into the device's address space: "
-                         "it must be pinned (page-locked) host memory") from exc
+    return PreparedCopy(plan, device_kv, host_buffer, config, ids).launch()
+
+
+class PreparedCopy:
+    """A checked ``plan`` with its launch arguments worked out once, launched for its whole
+    layer range or layer range by layer range (a layer-by-layer load: one launch per layer
+    without redoing the checks each time)."""
+
+    def __init__(self, plan: CopyPlan, device_kv: torch.Tensor, host_buffer: torch.Tensor,
+                 config: KernelConfig | None = None, ids: torch.Tensor | None = None) -> None:
+        install_triton_cache()
+        self.plan = plan
+        self.config = config = config or KernelConfig()
+        host_buffer = host_buffer[:_check_buffers(plan, device_kv, host_buffer)]
+        src, dst = (host_buffer, device_kv) if plan.direction == "load" else (device_kv, host_buffer)
+        self.access = access = choose_access(plan.src.part_bytes, (src.data_ptr(), dst.data_ptr()),
+                                             config.block_bytes)
+        self.device = device_kv.device
+        ids = upload_ids(plan, device_kv.device) if ids is None else ids
+        self._args = (_as_elements(src, access.dtype), _as_elements(dst, access.dtype), ids)
+        self._strides = (*_vector_strides(plan.src, access), *_vector_strides(plan.dst, access))
+
+    def launch(self, layer_start: int | None = None, layer_count: int | None = None) -> Any:
+        """Launch the copy of layers ``[layer_start, layer_start + layer_count)`` (default:
+        the plan's) on the current stream."""
+        plan, access = self.plan, self.access
+        start = plan.layer_start if layer_start is None else layer_start
+        count = plan.layer_count if layer_count is None else layer_count
+        items = plan.num_pages * count * plan.src.parts * access.chunks_per_part
+        grid = (_grid_size(items, self.config, self.device),)
+        try:
+            return copy_parts_kernel[grid](
+                *self._args, plan.num_pages, count, start, access.chunks_per_part,
+                access.part_vecs, *self._strides, PARTS=plan.src.parts, VEC=access.vec,
+                BLOCK=access.block, num_warps=self.config.num_warps)
+        except ValueError as exc:  # Triton found no device mapping for a pointer
+            if "cannot be accessed" not in str(exc):
+                raise
+            raise ValueError("the host pool buffer is not mapped into the device's address "
+                             "space: it must be pinned (page-locked) host memory") from exc
 
 
 def _vector_strides(geometry: PoolGeometry, access: _Access) -> tuple[int, int, int]:
@@ -190,9 +204,7 @@ def _as_elements(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return flat if dtype == torch.uint8 else flat.view(dtype)
 
 
-def _grid_size(plan: CopyPlan, access: _Access, config: KernelConfig,
-               device: torch.device) -> int:
-    items = plan.num_pages * plan.layer_count * plan.src.parts * access.chunks_per_part
+def _grid_size(items: int, config: KernelConfig, device: torch.device) -> int:
     if config.max_programs is not None:
         cap = config.max_programs
     elif device.type == "cuda":
