@@ -147,3 +147,22 @@ def test_the_sequence_cache_holds_every_position_after_the_static_forward(tmp_pa
         prefix_cache.finish(state, prompt, kv)
     finally:
         prefix_cache.close()
+
+
+def test_warm_builds_every_bucket_once(tmp_path):
+    prefix_cache = build(tiny_lm(), 16, tmp_path)
+    static = with_graphs(prefix_cache)
+    built = []
+    make_steps = static._make_steps
+    static._make_steps = lambda bucket: built.append(bucket) or make_steps(bucket)
+    try:
+        static.warm()
+        static.warm()
+        assert built == list(graphs.BUCKETS)
+        prompt = _prompt(40, 9)
+        want = reference(prefix_cache.lm, prompt)
+        through(prefix_cache, prompt)
+        check("after warm", want, through(prefix_cache, prompt), "device", 32)
+        assert built == list(graphs.BUCKETS) and static.forwards == 1
+    finally:
+        prefix_cache.close()

@@ -138,6 +138,16 @@ class SuffixGraphs:
             return "no_room"
         return None
 
+    def warm(self) -> None:
+        """Capture every bucket now, so that a server's first hits pay no capture (about a
+        second per bucket on the H200 for an 8B model)."""
+        with torch.inference_mode():
+            self._ensure_buffers()
+            self._set_inputs([0], 0)
+            for bucket in BUCKETS:
+                if bucket not in self._steps and self._build(bucket) is None:
+                    return
+
     # ---- running -----------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, tokens: list[int], cache: Any) -> torch.Tensor | None:

@@ -311,14 +311,16 @@ class PrefixCache:
 
 def _suffix_graphs(config: KvtierConfig, lm: CausalLM) -> Any:
     """``SuffixGraphs`` where they can serve (CUDA, the kvtier attention, a supported model,
-    ``engine.graph_tokens`` > 0), else None."""
+    ``engine.graph_tokens`` > 0), captured for every bucket now; else None."""
     from kvtier.engine import graphs
 
     engine = config.engine
     if (engine.graph_tokens <= 0 or engine.attention != "kvtier" or lm.device.type != "cuda"
             or graphs.unsupported_reason(lm) is not None):
         return None
-    return graphs.SuffixGraphs(lm, engine.graph_tokens)
+    static = graphs.SuffixGraphs(lm, engine.graph_tokens)
+    static.warm()
+    return static
 
 
 def _runs(pages: list[int], ids: list[int]) -> list[tuple[int, list[int]]]:

@@ -8,7 +8,9 @@ publishes them comes after both), partial reads of byte ranges (only the chunks 
 them, each checked against the slot's chunk table), and the O_DIRECT variants, which go through
 page-aligned bounce buffers (one set per thread). Stateless apart from those buffers; called
 concurrently from IO worker threads. ``os.preadv``/``pwritev`` release the GIL; the checksums
-(python-xxhash's one-shot ``xxh3``) hold it, about 2 us per 64 KiB.
+(python-xxhash's one-shot ``xxh3``) hold it up to 64 KiB, about 2 us per 64 KiB. Releasing it for
+each page's checksum (a ctypes call of the same C function) measured slower with 4 threads on 2
+cores: more GIL hand-offs (``benchmarks/disk_read_threads.py``, variant ``records_ctypes``).
 """
 
 from __future__ import annotations
