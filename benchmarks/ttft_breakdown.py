@@ -27,6 +27,7 @@ import torch
 
 from kvtier.config import build_config
 from kvtier.engine import kv_pages
+from kvtier.engine.graphs import SuffixGraphs
 from kvtier.engine.hf import load_model
 from kvtier.engine.prefix import PrefixCache
 from kvtier.engine.request import PrefillReport
@@ -103,8 +104,9 @@ def hit_once(cache: PrefixCache, prompt: list[int]) -> dict[str, float]:
 def same_logits(cache: PrefixCache, prompt: list[int]) -> dict[str, float]:
     """The last logits of one prompt served as a device hit, a host hit loaded under the forward
     and one waited for: the KV bytes are the same, so the logits must be identical. Where
-    captured graphs serve the hits, the eager forward's logits are added (padded GEMMs may round
-    differently) with whether the first token agrees."""
+    captured graphs serve the hits, the eager forward's logits are added (padded GEMMs and the
+    fused kernels round differently), and the whole prompt recomputed, with whether the first
+    token agrees everywhere."""
     logits = {}
     hit_once(cache, prompt)
     graphs = cache.graphs
@@ -121,7 +123,14 @@ def same_logits(cache: PrefixCache, prompt: list[int]) -> dict[str, float]:
         cache.commit_prompt(state, prompt, kv)
         cache.settle()
     cache.overlap, cache.graphs = True, graphs
+    with torch.inference_mode():  # the whole prompt recomputed (sdpa's causal kernel over it)
+        logits["recompute"] = cache.lm.forward(torch.tensor(prompt, device=cache.lm.device),
+                                               cache.lm.new_cache()).clone()
     gaps = {name: float((value - logits["device"]).abs().max()) for name, value in logits.items()}
+    gaps["eager device vs recompute"] = (
+        float((logits["device, eager"] - logits["recompute"]).abs().max())
+        if "device, eager" in logits else None)
+    gaps["largest |logit|"] = float(logits["recompute"].abs().max())
     gaps["same first token"] = float(len({int(v.argmax()) for v in logits.values()}) == 1)
     return gaps
 
@@ -208,6 +217,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def tokens(n: int) -> list[int]:
         return [rng.randrange(16, vocab) for _ in range(n)]
 
+    unfused = None
+    if cache.graphs is not None and args.unfused:
+        unfused = SuffixGraphs(lm, args.graph_tokens, fuse=False)
+        unfused.warm()
     rows, raw = [], {}
     try:
         warm = tokens(512)
@@ -256,6 +269,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     key = "host overlapped" if overlap else "host waited"
                     samples.setdefault(key, []).append(hit_once(cache, prefix + tokens(args.suffix)))
                 cache.overlap = True
+                if unfused is not None:  # graphs of transformers' own element-wise chains
+                    graphs, cache.graphs = cache.graphs, unfused
+                    samples.setdefault("device, graphs unfused", []).append(
+                        hit_once(cache, prefix + tokens(args.suffix)))
+                    cache.drop_tiers(("device",))
+                    samples.setdefault("host overlapped, graphs unfused", []).append(
+                        hit_once(cache, prefix + tokens(args.suffix)))
+                    cache.graphs = graphs
                 if cache.graphs is not None:  # the same hits on transformers' eager forward
                     graphs, cache.graphs = cache.graphs, None
                     samples.setdefault("device, eager", []).append(
@@ -311,6 +332,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--suffix", type=int, default=32)
     parser.add_argument("--attention", default="kvtier", choices=("kvtier", "sdpa"))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--unfused", action="store_true",
+                        help="also time hits on graphs without the fused RMSNorm/rotary kernels")
     parser.add_argument("--load-programs", type=lambda s: [int(x) for x in s.split(",") if x],
                         default=[16, 32], help="also time host hits with the load kernel's grid "
                         "capped at each of these")

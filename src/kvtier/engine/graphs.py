@@ -22,6 +22,9 @@ logits, and replayed:
   ordinary cache (waiting for the copy on the device) and the static buffers serve the next
   request.
 
+Captures run transformers' modules with kvtier's fused RMSNorm and rotary kernels in place of
+their element-wise chains (``fused.fused_modules``): a few-token forward is bound by its kernels.
+
 Padding tokens (bucket minus real) compute values at positions after the real tokens; causal
 attention keeps the real tokens from seeing them and their KV is never copied out.
 
@@ -32,6 +35,7 @@ path against transformers' forward on the CPU. Llama, Qwen2 and Mistral-style mo
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 from collections import Counter
@@ -41,6 +45,7 @@ from typing import Any
 import torch
 
 from kvtier.engine import attention
+from kvtier.engine.fused import fused_modules
 from kvtier.engine.kv_pages import pending_hit
 
 #: Model types whose forward is the embedding, rotary, decoder layers, norm and head in order.
@@ -91,13 +96,15 @@ class _StaticKV:
 class SuffixGraphs:
     """Captured (or, without CUDA, eager) static forwards of a fresh hit's new tokens."""
 
-    def __init__(self, lm: Any, capacity_tokens: int, *, capture: bool | None = None) -> None:
+    def __init__(self, lm: Any, capacity_tokens: int, *, capture: bool | None = None,
+                 fuse: bool = True) -> None:
         reason = unsupported_reason(lm)
         if reason is not None:
             raise ValueError(f"captured suffix forwards: {reason}")
         self.lm = lm
         self.capture = lm.device.type == "cuda" if capture is None else capture
         self.capacity = max(int(capacity_tokens), MAX_QUERY_TOKENS)
+        self.fuse = fuse  # run the fused RMSNorm and rotary kernels (``fused.fused_modules``)
         body = lm.model.model
         self._body, self._head = body, lm.model.lm_head
         self._layers = list(body.layers[:lm.config.num_hidden_layers])
@@ -265,9 +272,12 @@ class SuffixGraphs:
 
     def _eager(self, step: Callable[[], None]) -> Callable[[], None]:
         def run() -> None:
-            with attention.device_past(self._past):
+            with attention.device_past(self._past), self._modules():
                 step()
         return run
+
+    def _modules(self) -> Any:
+        return fused_modules(self.lm.model) if self.fuse else contextlib.nullcontext()
 
     def _capture(self, steps: list[Callable[[], None]]) -> list[Callable[[], None]]:
         """Warm the steps up on a side stream (Triton compiles, cuBLAS picks its kernels),
@@ -276,7 +286,7 @@ class SuffixGraphs:
         current = torch.cuda.current_stream(self.lm.device)
         side = torch.cuda.Stream(self.lm.device)
         side.wait_stream(current)
-        with torch.cuda.stream(side), attention.device_past(self._past):
+        with torch.cuda.stream(side), attention.device_past(self._past), self._modules():
             for step in steps:
                 step()
         current.wait_stream(side)
@@ -284,7 +294,7 @@ class SuffixGraphs:
         for step in steps:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"), \
-                    attention.device_past(self._past):
+                    attention.device_past(self._past), self._modules():
                 step()
             if self._pool is None:
                 self._pool = graph.pool()
