@@ -3,9 +3,10 @@
 Owns ``TtftPlan``, ``TIER_SPECS`` and ``run_ttft``. Every measured request is paired with a
 recompute of the same prompt length on the same model with kvtier off (``--no-cache``), so
 ratios compare runs taken seconds apart. For each prefix length and repeat, a fresh random
-prefix is sent once with kvtier on (the miss path, 0% hits, also timed against recompute), its
-pages settle into the tiers, then for each tier the tiers above it are dropped (and the page
-cache, for the disk) and the same prefix is sent with a new suffix. Runs the engine in-process
+prefix is sent once with kvtier on (the miss path, 0% hits, timed against recompute, the
+baseline first in one pair and kvtier first in the next), its pages settle into the tiers, then
+for each tier the tiers above it are dropped (and the page cache, for the disk) and the same
+prefix is sent with a new suffix. Runs the engine in-process
 (no HTTP, no web framework), so it runs where only torch and transformers are installed.
 Main thread; the engine thread does the work.
 """
@@ -96,6 +97,7 @@ class TtftRun:
         self.samples: dict[tuple[str, int], Samples] = {}
         self.miss: dict[int, Samples] = {}
         self.cache_rates: dict[str, Any] = {}   # group -> the rates the planner ended with
+        self._pairs = 0                           # miss-path pairs taken (their order alternates)
 
     def tokens(self, n: int) -> list[int]:
         return [self.rng.randrange(16, self.vocab) for _ in range(n)]
@@ -140,8 +142,15 @@ class TtftRun:
         prefix, suffix = self.tokens(length), self.plan.suffix_tokens
         prefix_cache = service.prefix_cache
         prompt = prefix + self.tokens(suffix)
-        base_s, _ = ttft(baseline, prompt)
-        miss_s, _ = ttft(service, prompt)
+        # the pair's order alternates: a second forward right after a first can run slower
+        # (clocks, caches), which must not count against either side
+        self._pairs += 1
+        if self._pairs % 2:
+            base_s, _ = ttft(baseline, prompt)
+            miss_s, _ = ttft(service, prompt)
+        else:
+            miss_s, _ = ttft(service, prompt)
+            base_s, _ = ttft(baseline, prompt)
         self._add(self.miss.setdefault(length, Samples()), miss_s, base_s, None)
         self._add(self.samples.setdefault(("recompute", length), Samples()), base_s, base_s, None)
         self.progress(f"{length} miss")
