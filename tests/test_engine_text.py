@@ -54,6 +54,18 @@ def test_stop_matcher_cuts_at_the_first_stop_string_whatever_the_chunking(chunks
     assert matcher.stopped == any(s in text for s in stops)
 
 
+def test_a_stop_that_starts_earlier_wins_even_when_a_later_one_completes_first():
+    matcher = StopMatcher(["b", "\nbb"])
+    assert [matcher.feed(c) for c in ("\n", "b")] == ["", ""]  # "\nbb" may still come
+    assert not matcher.stopped
+    assert matcher.feed("b") == "" and matcher.stopped
+    other = StopMatcher(["b", "\nbb"])
+    assert other.feed("\n") + other.feed("b") + other.feed("a") == "\n" and other.stopped
+    ended = StopMatcher(["b", "\nbb"])
+    assert ended.feed("\nb") == "" and not ended.stopped
+    assert ended.flush() == "\n" and ended.stopped  # the stream ended: "b" was the stop
+
+
 def test_chat_prompt_uses_the_tokenizers_template_and_ends_at_the_answer():
     tok = _tokenizer()
     ids = chat_prompt_ids(tok, [{"role": "system", "content": "Be brief."},

@@ -74,22 +74,34 @@ class StopMatcher:
         self.stopped = False
 
     def feed(self, text: str) -> str:
-        """Text safe to emit now; sets ``stopped`` once a stop string has appeared."""
+        """Text safe to emit now; sets ``stopped`` once a stop string has appeared and no stop
+        starting earlier can still complete."""
         if self.stopped:
             return ""
         buffer = self._pending + text
-        hits = [i for i in (buffer.find(s) for s in self.stops) if i >= 0]
-        if hits:
+        first = self._first_hit(buffer)
+        hold = self._held_suffix(buffer)
+        undecided = len(buffer) - hold if hold else None  # where a stop may still begin
+        if first is not None and (undecided is None or undecided >= first):
             self.stopped = True
             self._pending = ""
-            return buffer[:min(hits)]
-        hold = self._held_suffix(buffer)
-        self._pending = buffer[len(buffer) - hold:] if hold else ""
-        return buffer[:len(buffer) - hold]
+            return buffer[:first]
+        keep_from = len(buffer) if undecided is None else undecided
+        self._pending = buffer[keep_from:]
+        return buffer[:keep_from]
 
     def flush(self) -> str:
-        out, self._pending = ("" if self.stopped else self._pending), ""
-        return out
+        """The held-back text at the end of the stream, cut at a stop string it holds."""
+        buffer, self._pending = ("" if self.stopped else self._pending), ""
+        first = self._first_hit(buffer)
+        if first is not None:
+            self.stopped = True
+            return buffer[:first]
+        return buffer
+
+    def _first_hit(self, buffer: str) -> int | None:
+        hits = [i for i in (buffer.find(s) for s in self.stops) if i >= 0]
+        return min(hits) if hits else None
 
     def _held_suffix(self, buffer: str) -> int:
         longest = 0

@@ -96,7 +96,8 @@ async def stream_text(service: Any, request: GenerationRequest, stops: list[str]
                 tail = stopper.feed(detok.flush()) + stopper.flush()
                 if tail:
                     yield tail
-                reason = "stop" if event.reason in ("stop", "cancelled") else event.reason
+                stopped = stopper.stopped or event.reason in ("stop", "cancelled")
+                reason = "stop" if stopped else event.reason
             yield Done(reason, usage_block(event.prefill, len(request.prompt_ids), produced))
             return
     finally:
