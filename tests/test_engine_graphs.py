@@ -80,7 +80,13 @@ def test_what_it_cannot_serve_runs_eagerly_and_is_counted(tmp_path):
               "device", 16)
         assert static.fallbacks == {"new_tokens": 2, "too_long": 1, "not_a_fresh_hit": 1}
         assert static.forwards == 0
-        assert prefix_cache.stats()["graphs"]["fallbacks"]["too_long"] == 1
+        assert prefix_cache.stats()["graphs"]["static_kv_bytes"] == 0  # nothing allocated yet
+        static.warm()
+        stats = prefix_cache.stats()["graphs"]
+        assert stats["fallbacks"]["too_long"] == 1
+        lm = prefix_cache.lm  # the static KV: capacity x layers x K and V x heads x dim x 4 bytes
+        assert stats["static_kv_bytes"] == (graphs.MAX_QUERY_TOKENS * lm.config.num_hidden_layers
+                                            * 2 * lm.num_kv_heads * lm.head_dim * 4)
     finally:
         prefix_cache.close()
 

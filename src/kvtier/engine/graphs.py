@@ -302,6 +302,8 @@ class SuffixGraphs:
         return [graph.replay for graph in graphs]
 
     def stats(self) -> dict[str, Any]:
+        kv_bytes = 0 if self._kv is None else self._kv.numel() * self._kv.element_size()
         return {"forwards": self.forwards, "captures": self.captures,
                 "capture_s": round(self.capture_s, 3), "capacity_tokens": self.capacity,
+                "static_kv_bytes": kv_bytes,
                 "fallbacks": dict(self.fallbacks), "disabled": self.disabled}
