@@ -82,3 +82,29 @@ def test_in_a_model_it_gives_sdpa_logits(monkeypatch):
         lm.model.set_attn_implementation("sdpa")
     assert calls and 10 in calls
     assert float((got - want).abs().max()) <= 1e-5
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "m", "past", "capacity", "splits"), [
+    (4, 2, 5, 37, 200, None),   # buffers much longer than the sequence
+    (8, 2, 33, 130, 512, 4),    # several row blocks, slices cut on the device
+    (4, 4, 1, 0, 64, None),     # no past
+])
+def test_past_length_read_on_the_device(heads, kv_heads, m, past, capacity, splits):
+    gen = torch.Generator().manual_seed(past + m)
+    dim = 16
+    query = torch.randn(1, heads, m, dim, generator=gen)
+    key, value = token_major(kv_heads, capacity, dim, gen), token_major(kv_heads, capacity, dim, gen)
+    key[:, :, past + m:] = 1e4   # what lies past the sequence must not count
+    got = attention.split_kv_attention(query, key, value, 0.25, splits=splits,
+                                       past=torch.tensor([past]))
+    want = reference(query, key[:, :, :past + m], value[:, :, :past + m], 0.25)
+    assert float((got - want).abs().max()) <= 1e-5
+
+
+def test_inside_device_past_every_call_takes_the_kernels():
+    query, key = torch.randn(1, 2, 3, 16), torch.randn(1, 2, 40, 16)
+    key[:, :, 13:] = 1e4
+    with attention.device_past(torch.tensor([10])):
+        got, _ = attention.kvtier_attention(None, query, key, key, None, scaling=0.25)
+    want = reference(query, key[:, :, :13], key[:, :, :13], 0.25)
+    assert float((got - want).abs().max()) <= 1e-5
