@@ -172,3 +172,24 @@ def test_warm_builds_every_bucket_once(tmp_path):
         assert built == list(graphs.BUCKETS) and static.forwards == 1
     finally:
         prefix_cache.close()
+
+
+def test_static_buffers_that_do_not_fit_turn_the_graphs_off(tmp_path, monkeypatch):
+    prefix_cache = build(tiny_lm(), 16, tmp_path)
+    static = with_graphs(prefix_cache)
+
+    def no_memory():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB")
+
+    monkeypatch.setattr(static, "_allocate", no_memory)
+    try:
+        static.warm()
+        assert static.disabled.startswith("static buffers: CUDA out of memory")
+        assert static.fallbacks["no_memory"] == 1
+        prompt = _prompt(40, 10)
+        want = reference(prefix_cache.lm, prompt)
+        through(prefix_cache, prompt)
+        check("graphs off", want, through(prefix_cache, prompt), "device", 32)
+        assert static.forwards == 0 and static.fallbacks["disabled"] == 2
+    finally:
+        prefix_cache.close()

@@ -149,7 +149,8 @@ class SuffixGraphs:
         """Capture every bucket now, so that a server's first hits pay no capture (about a
         second per bucket on the H200 for an 8B model)."""
         with torch.inference_mode():
-            self._ensure_buffers()
+            if not self._ensure_buffers():
+                return
             self._set_inputs([0], 0)
             for bucket in BUCKETS:
                 if bucket not in self._steps and self._build(bucket) is None:
@@ -162,7 +163,8 @@ class SuffixGraphs:
         ``cache`` holds (adopted, not yet gathered pages); ``cache`` then holds them too.
         None if the graphs could not be captured (nothing changed: run the eager forward)."""
         past, bucket = cache.get_seq_length(), bucket_for(len(tokens))
-        self._ensure_buffers()
+        if not self._ensure_buffers():
+            return None
         self._set_inputs(tokens, past)
         steps = self._steps.get(bucket) or self._build(bucket)
         if steps is None:
@@ -208,9 +210,21 @@ class SuffixGraphs:
         host[-2], host[-1] = past, count - 1
         self._meta.copy_(host, non_blocking=True)  # a few hundred bytes; no stream sync
 
-    def _ensure_buffers(self) -> None:
+    def _ensure_buffers(self) -> bool:
+        """Allocate the static buffers once; False (graphs off, counted) if they do not fit."""
         if self._kv is not None:
-            return
+            return True
+        if self.disabled is not None:
+            return False
+        try:
+            self._allocate()
+        except torch.OutOfMemoryError as exc:
+            self.disabled = f"static buffers: {exc}".splitlines()[0]
+            self.fallbacks["no_memory"] += 1
+            return False
+        return True
+
+    def _allocate(self) -> None:
         lm, device = self.lm, self.lm.device
         self._meta = torch.zeros(2 * MAX_QUERY_TOKENS + 2, dtype=torch.long, device=device)
         self._ids = self._meta[:MAX_QUERY_TOKENS].view(1, -1)
