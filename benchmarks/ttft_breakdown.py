@@ -305,10 +305,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             hit_once(cache, prompt)
             profile_host_hit(cache, prompt + tokens(args.suffix), Path(args.profile))
     finally:
+        graph_stats = None if cache.graphs is None else cache.graphs.stats()
         cache.close()
     setup = flags | {"suffix_tokens": args.suffix, "repeats": args.repeats,
                      "attention": args.attention,
-                     "graphs": None if cache.graphs is None else cache.graphs.stats()}
+                     "graphs": graph_stats}
     return {"rows": rows, "raw": raw, "logit_gaps": consistency, "setup": setup}
 
 

@@ -303,6 +303,7 @@ class PrefixCache:
 
     def close(self) -> None:
         self._helper.shutdown(wait=True)
+        self.graphs = None  # the static KV and the captured graphs' memory go with it
         self.tiered.close()
 
     def _tensor(self, tokens: list[int]) -> torch.Tensor:
