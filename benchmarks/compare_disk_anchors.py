@@ -32,12 +32,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from kvtier.commands.bench_store import (
     SOURCE_PAGES,
-    _source_pages,
     aligned_pages,
     bench_one,
     drop_caches,
     flush_files,
     run_batches,
+    source_pages,
 )
 from kvtier.config import parse_size
 from kvtier.machine import format_table, write_report
@@ -78,7 +78,7 @@ def sglang_run(root: Path, pages: int, page_bytes: int, threads: int, batch: int
         is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
         model_name="bench", extra_config={"file_storage_path": str(root)})
     store = HiCacheFile(config)
-    sources = [torch.frombuffer(p, dtype=torch.uint8) for p in _source_pages(page_bytes)]
+    sources = [torch.frombuffer(p, dtype=torch.uint8) for p in source_pages(page_bytes)]
     dest = [[torch.frombuffer(v, dtype=torch.uint8) for v in aligned_pages(batch, page_bytes)]
             for _ in range(threads)]
     names = [f"page{i:09d}" for i in range(pages)]
@@ -116,7 +116,7 @@ def lmcache_run(root: Path, pages: int, page_bytes: int, threads: int, batch: in
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     disk = LocalDiskBackend(config, loop, cpu, dst_device="cpu")
-    sources = [torch.frombuffer(p, dtype=torch.uint8) for p in _source_pages(page_bytes)]
+    sources = [torch.frombuffer(p, dtype=torch.uint8) for p in source_pages(page_bytes)]
     keys = [CacheEngineKey("bench", 1, 0, i, torch.uint8) for i in range(pages)]
     written = threading.Semaphore(0)
 

@@ -39,7 +39,7 @@ import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from kvtier.commands.bench_store import aligned_pages
+from kvtier.commands.bench_store import aligned_pages, run_batches, source_pages
 from kvtier.config import parse_size
 from kvtier.machine import format_table, write_report
 from kvtier.store.file import FileStore
@@ -48,16 +48,20 @@ from kvtier.store.file_io import plans_of
 STAGES = ("raw", "copy", "hash", "headers", "read_many", "read_into")
 
 
-def _fill(root: Path, page_bytes: int, pages: int, batch: int) -> tuple[FileStore, list[bytes]]:
+def fill_store(root: Path, page_bytes: int, pages: int, batch: int, threads: int = 1,
+               tag: bytes = b"profile") -> tuple[FileStore, list[bytes]]:
+    """A fresh store under ``root`` holding ``pages`` pages, written in batches by ``threads``
+    threads; returns it and the keys in page order."""
     shutil.rmtree(root, ignore_errors=True)
     store = FileStore(root, page_bytes)
-    keys = [hashlib.sha256(b"profile-%d" % i).digest() for i in range(pages)]
-    sources = aligned_pages(16, page_bytes)
-    for i, page in enumerate(sources):
-        page[:] = (hashlib.sha256(b"%d" % i).digest() * (page_bytes // 32 + 1))[:page_bytes]
-    for start in range(0, pages, batch):
-        chunk = keys[start:start + batch]
-        assert all(store.write(chunk, [sources[(start + j) % 16] for j in range(len(chunk))]))
+    keys = [hashlib.sha256(b"%s-%d" % (tag, i)).digest() for i in range(pages)]
+    sources = source_pages(page_bytes)
+
+    def write(_thread: int, batch_keys: list[bytes], indexes: range) -> None:
+        if not all(store.write(batch_keys, [sources[i % len(sources)] for i in indexes])):
+            raise RuntimeError("the store refused a write while filling")
+
+    run_batches(threads, keys, batch, write)
     return store, keys
 
 
@@ -113,7 +117,7 @@ def stages(store: FileStore, keys: list[bytes], batch: int) -> dict[str, Callabl
 
 def profile(root: Path, page_bytes: int, total: int, batch: int, rounds: int) -> dict:
     pages = max(batch, total // page_bytes)
-    store, keys = _fill(root, page_bytes, pages, batch)
+    store, keys = fill_store(root, page_bytes, pages, batch)
     try:
         passes = stages(store, keys, batch)
         for run in passes.values():

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import hashlib
 import os
 import resource
 import shutil
@@ -44,6 +43,7 @@ import xxhash._xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from disk_read_profile import fill_store
 from kvtier.commands.bench_store import aligned_pages, run_batches
 from kvtier.commands.raw_disk import RawReads
 from kvtier.config import parse_size
@@ -70,19 +70,6 @@ def ctypes_xxh3() -> Callable[[memoryview], int]:
     for size in (1, 16, 17, 240, 241, 65536, 100_003):
         assert digest(probe[:size]) == xxhash.xxh3_64_intdigest(probe[:size])
     return digest
-
-
-def _fill(root: Path, page_bytes: int, pages: int, threads: int,
-          batch: int) -> tuple[FileStore, list[bytes]]:
-    shutil.rmtree(root, ignore_errors=True)
-    store = FileStore(root, page_bytes)
-    keys = [hashlib.sha256(b"threads-%d" % i).digest() for i in range(pages)]
-    sources = aligned_pages(16, page_bytes)
-    for i, page in enumerate(sources):
-        page[:] = (hashlib.sha256(b"%d" % i).digest() * (page_bytes // 32 + 1))[:page_bytes]
-    run_batches(threads, keys, batch,
-                lambda t, ks, idx: store.write(ks, [sources[i % 16] for i in idx]))
-    return store, keys
 
 
 def passes(store: FileStore, keys: list[bytes], threads: int, batch: int,
@@ -141,7 +128,7 @@ def _measure(run: Callable[[], float]) -> dict[str, float]:
 def profile(root: Path, page_bytes: int, total: int, threads: int, batch: int,
             rounds: int) -> dict:
     pages = max(batch, total // page_bytes)
-    store, keys = _fill(root, page_bytes, pages, threads, batch)
+    store, keys = fill_store(root, page_bytes, pages, batch, threads, tag=b"threads")
     hits = [0] * threads
     try:
         runs, raw = passes(store, keys, threads, batch, hits)

@@ -144,7 +144,8 @@ def run_batches(threads: int, keys: Sequence[bytes], batch: int,
     return time.perf_counter() - begin
 
 
-def _source_pages(page_bytes: int) -> list[memoryview]:
+def source_pages(page_bytes: int) -> list[memoryview]:
+    """``SOURCE_PAGES`` page-aligned buffers of distinct, reproducible bytes to write."""
     pages = aligned_pages(SOURCE_PAGES, page_bytes)
     for i, page in enumerate(pages):
         seed = hashlib.sha256(b"kvtier-bench-%d" % i).digest()
@@ -169,7 +170,7 @@ def bench_one(url: str, page_bytes: int, pages: int, threads: int, batch: int, c
     run_url, cleanup = _fresh_location(url, page_bytes)
     nonce = os.urandom(8)
     keys = [hashlib.sha256(nonce + i.to_bytes(8, "little")).digest() for i in range(pages)]
-    sources = _source_pages(page_bytes)
+    sources = source_pages(page_bytes)
     gb = pages * page_bytes / 1e9
     baseline = raw_baseline(urlsplit(url).scheme)
     module = importlib.import_module(baseline.__module__)
