@@ -135,6 +135,19 @@ def same_logits(cache: PrefixCache, prompt: list[int]) -> dict[str, float]:
     return gaps
 
 
+def hits_with_graphs(cache: PrefixCache, graphs: Any, label: str, prompt: Any,
+                     samples: dict[str, list[dict[str, float]]]) -> None:
+    """A device hit and an overlapped host hit (``prompt()`` gives each its prompt) served by
+    ``graphs`` instead of the cache's own (None: transformers' eager forward)."""
+    own, cache.graphs = cache.graphs, graphs
+    try:
+        samples.setdefault(f"device, {label}", []).append(hit_once(cache, prompt()))
+        cache.drop_tiers(("device",))
+        samples.setdefault(f"host overlapped, {label}", []).append(hit_once(cache, prompt()))
+    finally:
+        cache.graphs = own
+
+
 def recompute_once(lm: Any, prompt: list[int]) -> float:
     _sync(lm)
     start = time.perf_counter()
@@ -269,22 +282,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     key = "host overlapped" if overlap else "host waited"
                     samples.setdefault(key, []).append(hit_once(cache, prefix + tokens(args.suffix)))
                 cache.overlap = True
+                new_prompt = lambda p=prefix: p + tokens(args.suffix)  # noqa: E731
                 if unfused is not None:  # graphs of transformers' own element-wise chains
-                    graphs, cache.graphs = cache.graphs, unfused
-                    samples.setdefault("device, graphs unfused", []).append(
-                        hit_once(cache, prefix + tokens(args.suffix)))
-                    cache.drop_tiers(("device",))
-                    samples.setdefault("host overlapped, graphs unfused", []).append(
-                        hit_once(cache, prefix + tokens(args.suffix)))
-                    cache.graphs = graphs
+                    hits_with_graphs(cache, unfused, "graphs unfused", new_prompt, samples)
                 if cache.graphs is not None:  # the same hits on transformers' eager forward
-                    graphs, cache.graphs = cache.graphs, None
-                    samples.setdefault("device, eager", []).append(
-                        hit_once(cache, prefix + tokens(args.suffix)))
-                    cache.drop_tiers(("device",))
-                    samples.setdefault("host overlapped, eager", []).append(
-                        hit_once(cache, prefix + tokens(args.suffix)))
-                    cache.graphs = graphs
+                    hits_with_graphs(cache, None, "eager", new_prompt, samples)
             if args.disk:
                 disk_cases(cache, prefix, tokens, args, samples)
             alone = suffix_alone(lm, prefix, tokens(args.suffix), args.repeats)
