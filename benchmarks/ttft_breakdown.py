@@ -32,7 +32,6 @@ from kvtier.engine.hf import load_model
 from kvtier.engine.prefix import PrefixCache
 from kvtier.engine.request import PrefillReport
 from kvtier.machine import format_table, write_report
-from kvtier.transfer.copy_engine import LOAD_PRIORITY
 from kvtier.transfer.kernels import KernelConfig
 
 PHASES = ("match", "load", "append", "forward_launch")
@@ -264,12 +263,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     samples.setdefault("host overlapped, copy engines", []).append(
                         hit_once(cache, prefix + tokens(args.suffix)))
                     swap_copy_path(cache, "kernel")
-                if cache.tiered.ctx.copy.asynchronous:  # the copy not preferred over the forward
-                    cache.tiered.ctx.copy.set_load_priority(0)
-                    cache.drop_tiers(("device",))
-                    samples.setdefault("host overlapped, load at normal priority", []).append(
-                        hit_once(cache, prefix + tokens(args.suffix)))
-                    cache.tiered.ctx.copy.set_load_priority(LOAD_PRIORITY)
                     for programs in args.load_programs:  # the copy held to part of the chip
                         cache.tiered.ctx.copy._configs["load"] = KernelConfig(max_programs=programs)
                         cache.drop_tiers(("device",))

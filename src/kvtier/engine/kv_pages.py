@@ -122,19 +122,15 @@ def _roomy_class() -> type:
                 self._ready = None
             if self._pending is None:
                 return
-            pool_layer, index, buffer, ticket, layer = self._pending
+            buffer = self._pending[2]
+            self.gather_into(buffer.view(buffer.shape[0], -1, *buffer.shape[3:]))
             self._pending = None
-            if ticket is not None:  # on the device: no host wait (CPU tickets have landed)
-                ticket.stream_wait(layer=layer)
-            count = index.numel()
-            for part in range(pool_layer.shape[0]):
-                torch.index_select(pool_layer[part], 0, index, out=buffer[part, :count])
 
         @torch.inference_mode()
         def gather_into(self, static: torch.Tensor) -> None:
             """Gather the adopted pages into ``static`` (``[parts, tokens, heads, dim]``,
-            token-major) after the layer's copy on the device; they stay adopted until
-            ``take_static``."""
+            token-major) after the layer's copy on the device (no host wait; CPU tickets have
+            landed); they stay adopted until ``take_static`` or ``fill_pending``."""
             pool_layer, index, _, ticket, layer = self._pending
             if ticket is not None:
                 ticket.stream_wait(layer=layer)

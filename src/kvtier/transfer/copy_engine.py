@@ -18,7 +18,7 @@ stream calls ``ticket.stream_wait()`` (a device-side dependency, no host wait).
 forward pass can start as soon as its own KV has arrived (``ticket.stream_wait(layer=l)``).
 Those kernels run on a small grid (``LAYERWISE_LOAD_PROGRAMS``): the forward they overlap
 needs the SMs, and the bus does not (an 8B model's 4k-token host hit on the H200 reached its
-first token in 16 ms with 8 or 16 programs, 21 ms with one per SM:
+first token in 13.6-14.1 ms with 8, 16 or 32 programs, 19.7 ms with one per SM:
 benchmarks/results/ttft_breakdown_graphs_h200.txt).
 
 ``path="copy_engine"`` moves the bytes with the GPU's copy engines instead of the UVA kernels
@@ -51,8 +51,6 @@ from kvtier.transfer.plan import (
 )
 from kvtier.transfer.reference import reference_copy
 
-#: CUDA stream priority of loads (lower is higher; the default streams have 0).
-LOAD_PRIORITY = -1
 #: Grid cap of layer-by-layer loads (when no ``load_config`` is given).
 LAYERWISE_LOAD_PROGRAMS = 16
 _FIRST_POLL_S = 20e-6
@@ -150,9 +148,7 @@ class CopyEngine:
             from kvtier.transfer.kernels import KernelConfig
 
             self._layerwise_config = KernelConfig(max_programs=LAYERWISE_LOAD_PROGRAMS)
-        # Loads run at high priority: a hit's copy is what the forward waits for, so when both
-        # want the SMs the block scheduler starts the copy's programs first.
-        self._streams = ({"load": torch.cuda.Stream(self._device, priority=LOAD_PRIORITY),
+        self._streams = ({"load": torch.cuda.Stream(self._device),
                           "store": torch.cuda.Stream(self._device)} if on_cuda else {})
         self._counts = {"load": [0, 0, 0], "store": [0, 0, 0]}  # batches, pages, bytes
         self._staged: dict[str, Any] = {}
@@ -266,12 +262,6 @@ class CopyEngine:
                 event.record(stream)
                 events.append(event)
         return events
-
-    def set_load_priority(self, priority: int) -> None:
-        """Run later loads on a new stream of ``priority`` (CUDA: lower is higher; 0 is the
-        default streams' priority). Call only when no load is in flight."""
-        if self._streams:
-            self._streams["load"] = torch.cuda.Stream(self._device, priority=priority)
 
     def stats(self) -> dict[str, Any]:
         """Batches, pages and bytes submitted per direction, and the path in use."""
