@@ -118,7 +118,13 @@ def test_lru_eviction_is_reported_in_stats(tmp_path: Path) -> None:
                                    [page_bytes_for(i, page) for i in batch]))
         stats = store.stats()
         info = store.server_info()[0]
-        assert read(store, [159, 0], page) == [page_bytes_for(159, page), None]
+        got = read(store, list(range(160)), page)
+        # Redis's LRU is approximate (it samples keys): which old pages went is not fixed, but
+        # the newest stays, older ones are gone, and whatever is left reads back intact
+        missing = [i for i, value in enumerate(got) if value is None]
+        assert got[159] == page_bytes_for(159, page)
+        assert missing and min(missing) < 80
+        assert all(value == page_bytes_for(i, page) for i, value in enumerate(got) if value)
         assert store.stats().corrupt == 0
     assert stats.evicted > 0 and stats.capacity_bytes == 4 << 20
     assert info["maxmemory_policy"] == "allkeys-lru"
