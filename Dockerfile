@@ -3,6 +3,7 @@
 #   docker build -t kvtier .                                  # CPU image (default)
 #   docker build -t kvtier:cuda --build-arg VARIANT=cuda .    # CUDA image (PyTorch's CUDA wheels)
 #   docker run -p 8000:8000 -v kvtier-data:/data kvtier       # disk tier under the /data volume
+#   docker run -e KVTIER_STORE__DISK_URL= kvtier --no-cache   # the baseline: no tier at all
 #   docker run --gpus all -p 8000:8000 kvtier:cuda --model /models/my-llama
 #
 # Every setting also comes from KVTIER_<SECTION>__<FIELD> variables (see `kvtier info --help`).
@@ -37,7 +38,6 @@ ENV PATH="/opt/kvtier/bin:$PATH" \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     KVTIER_SERVER__HOST=0.0.0.0 \
     KVTIER_SERVER__PORT=8000 \
-    KVTIER_SERVER__DATA_DIR=/data \
     KVTIER_STORE__DISK_URL=file:///data/disk
 WORKDIR /src
 RUN if [ -n "$TORCH_INDEX_URL" ]; then \

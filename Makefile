@@ -1,23 +1,33 @@
 # kvtier — two commands do all set-up on a fresh machine: `make run` and `make test`.
+# `make run` needs the core environment only; `make test` also builds the SGLang test environment.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 TORCH_PIN := torch==2.13.0
 VENV_SGLANG := .venv-sglang
 
-.PHONY: install run test lint unit clean
+.PHONY: install install-test run test lint unit clean
 
-install: $(STAMP) $(VENV_SGLANG)/.installed
+install: $(STAMP)
 
-$(STAMP): pyproject.toml scripts/install_system_deps.sh
-	bash scripts/install_system_deps.sh
+install-test: $(TEST_STAMP) $(VENV_SGLANG)/.installed
+
+# The core: what `kvtier serve` needs (the engine, the server, the Triton kernels).
+$(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# Pin torch first: the CPU build installs from local disk; a bare `torch` pulls a CUDA build.
 	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
-	$(BIN)/python -m pip install -q -e ".[test]" "$(TORCH_PIN)"
+	$(BIN)/python -m pip install -q -e ".[serve,gpu]" "$(TORCH_PIN)"
 	touch $(STAMP)
+
+# The test tools and the system packages the tests need (redis-server).
+$(TEST_STAMP): $(STAMP) scripts/install_system_deps.sh
+	bash scripts/install_system_deps.sh
+	$(BIN)/python -m pip install -q -e ".[test]" "$(TORCH_PIN)"
+	touch $(TEST_STAMP)
 
 # SGLang 0.5.23 in its own environment, for the SGLang plug-in's tests. If it cannot be built here,
 # tests/test_sglang_integration.py skips and says why.
@@ -26,14 +36,14 @@ $(VENV_SGLANG)/.installed: scripts/setup_sglang_env.sh pyproject.toml
 		|| echo "warning: $(VENV_SGLANG) could not be built; the SGLang plug-in tests will skip"
 
 # Serves the OpenAI API on the embedded tiny model, disk tier under ./data/disk; it prints how to
-# call it (curl and the openai client) before it starts listening. Ctrl-C stops it.
+# call it (curl and the openai client) once it listens. Ctrl-C stops it.
 run: install
 	$(BIN)/kvtier serve --disk file://$(CURDIR)/data/disk
 
-lint: install
+lint: install-test
 	$(BIN)/ruff check src tests benchmarks
 
-unit: install
+unit: install-test
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
 
 test: lint unit

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-from kvtier.config import KvtierConfig
+from kvtier.config import KvtierConfig, setting_name
 from kvtier.controller.context import CacheContext
 from kvtier.controller.controller import CacheController
 from kvtier.controller.handles import Hit, Loaded
@@ -75,15 +75,12 @@ class TieredCache:
         _check_page_sizes(config, layout, namespace)
         device_pool = _device_pool(DevicePool, config, layout, device)
         budget = PinnedBudget(config.host.pinned_budget_bytes)
+        _check_host_tier(config, layout, stores)
         host_pool = None
-        if config.host.pool_bytes >= layout.page_bytes:
+        if config.host.pool_bytes:
             host_pool = HostPool.from_bytes(layout, config.host.pool_bytes, budget,
                                             host_layout=config.host.layout)
         opened = stores if stores is not None else _open_stores(config, layout) if host_pool else {}
-        if host_pool is None:  # stores only talk to the host tier: without one they are unused
-            for store in opened.values():
-                store.close()
-            opened = {}
         allocators = {"device": device_pool.allocator}
         if host_pool is not None:
             allocators["host"] = host_pool.allocator
@@ -204,6 +201,23 @@ def _check_page_sizes(config: KvtierConfig, layout: KVLayout, namespace: KeyName
         raise ConfigError("cache.page_size", config.cache.page_size,
                           f"the layout's ({layout.page_size}) and the namespace's "
                           f"({namespace.page_size}) page size")
+
+
+def _check_host_tier(config: KvtierConfig, layout: KVLayout,
+                     stores: dict[str, PageStore] | None) -> None:
+    """Refuse a host pool too small for one page, and store tiers without a host tier (stores
+    exchange pages with the host tier only), naming the settings."""
+    pool_bytes = config.host.pool_bytes
+    if 0 < pool_bytes < layout.page_bytes:
+        raise ConfigError(setting_name("host.pool_bytes"), pool_bytes,
+                          f"0 (host tier off) or at least one page of {layout.page_bytes} bytes")
+    named = [setting_name(p) for p, url in (("store.disk_url", config.store.disk_url),
+                                            ("store.remote_url", config.store.remote_url)) if url]
+    if pool_bytes == 0 and (named or stores):
+        tiers = " and ".join(named) or "the stores given"
+        raise ConfigError(setting_name("host.pool_bytes"), 0,
+                          f"a host pool while {tiers} is set: stores exchange pages with the "
+                          "host tier only (give the host pool bytes, or drop the store tier)")
 
 
 def _device_pool(pool_cls: Any, config: KvtierConfig, layout: KVLayout, device: str) -> Any:

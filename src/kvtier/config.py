@@ -48,6 +48,8 @@ class EngineConfig:
                             "device memory (1 GiB for an 8B model at 8192). 0: no graphs. CUDA "
                             "with the kvtier attention only.", minimum=0)
     max_new_tokens: int = opt(256, "Default cap on generated tokens per request.", minimum=1)
+    max_running: int = opt(4, "Sequences generated at once; others wait in the fair queue.",
+                           minimum=1, alias="--max-running")
     seed: int = opt(0, "Seed for random-weight presets, so every process builds the same model.",
                     minimum=0)
 
@@ -136,7 +138,9 @@ class ServerConfig:
     max_body_bytes: int = opt(4 << 20, "Largest request body accepted.", minimum=1, size=True)
     max_concurrent_requests: int = opt(64, "Requests queued or running at once; past it 429.",
                                        minimum=1)
-    data_dir: str = opt("./data", "Directory for the server's data (the default disk tier).")
+    stats_interval_s: float = opt(10.0, "Seconds between the server's stats log lines "
+                                  "(throughput, queue, hit rate and pages per tier); 0: off.",
+                                  minimum=0.0)
 
 
 @dataclass(frozen=True)
@@ -166,6 +170,21 @@ def parse_size(text: str) -> int | None:
     if unit not in _SIZE_UNITS:
         return None
     return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def format_size(count: int) -> str:
+    """4294967296 -> '4GiB', 65536 -> '64KiB'; a count that is no whole binary unit stays as is."""
+    for unit, scale in (("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20),
+                        ("KiB", 2**10)):
+        if count and count % scale == 0:
+            return f"{count // scale}{unit}"
+    return str(count)
+
+
+def setting_name(path: str) -> str:
+    """How a user writes a setting: '--disk (store.disk_url)', or 'store.x' without an alias."""
+    alias = dict(iter_fields())[path].metadata.get("alias")
+    return f"{alias} ({path})" if alias else path
 
 
 def iter_fields() -> Iterator[tuple[str, dataclasses.Field[Any]]]:
@@ -302,6 +321,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
             names.append(f.metadata["alias"])
         choices = f.metadata.get("choices")
         shown = "***" if f.metadata.get("secret") and f.default else f.default
+        shown = format_size(f.default) if f.metadata.get("size") else shown
         text = f"{f.metadata['help']} [default: {shown!s}]"
         text += f" {{{', '.join(choices)}}}" if choices else ""
         parser.add_argument(*names, dest=f"cfg:{path}", default=None, metavar="VALUE",
@@ -311,6 +331,14 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> KvtierConfig:
     flags = {k[4:]: v for k, v in vars(args).items() if k.startswith("cfg:") and v is not None}
     return build_config(getattr(args, "config", None), env, flags)
+
+
+def explicit_paths(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> set[str]:
+    """The 'section.field's that ``--config``, ``KVTIER_*`` variables or flags set."""
+    file = getattr(args, "config", None)
+    paths = set(_read_yaml(file)) if file else set()
+    paths |= set(_read_env(os.environ if env is None else env))
+    return paths | {k[4:] for k, v in vars(args).items() if k.startswith("cfg:") and v is not None}
 
 
 def redact_url(url: str) -> str:

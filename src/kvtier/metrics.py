@@ -144,6 +144,11 @@ def _scheduler(sched: Mapping[str, Any], http: Mapping[str, Any]) -> Iterator[Me
                    ("reason",))
     yield _gauge("kvtier_http_requests_in_flight", "HTTP requests being served (operator "
                  "routes excluded).", [((), http.get("in_flight", 0))])
+    errors = [((str(e["status"]), str(e["reason"])), e["count"])
+              for e in http.get("errors_total") or [] if _number(e.get("count"))]
+    yield _counter("kvtier_http_errors_total", "4xx answers by status and reason (the error "
+                   "code: invalid_json, unknown_parameter, model_not_found, body_too_large, "
+                   "...).", errors, ("status", "reason"))
 
 
 def _cache(cache: Mapping[str, Any]) -> Iterator[Metric]:

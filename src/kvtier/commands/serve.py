@@ -1,8 +1,10 @@
 """``kvtier serve``: the OpenAI-compatible server on the reference engine with the tiered cache.
 
-Builds the config (defaults < ``--config`` YAML < ``KVTIER_*`` env < flags), loads the model,
-starts the engine thread and serves HTTP with uvicorn until interrupted, after printing how to
-call it. ``--no-cache`` runs the same engine with kvtier off (the baseline). Main thread.
+Builds the config (defaults < ``--config`` YAML < ``KVTIER_*`` env < flags), refuses settings
+that cannot take effect before anything loads (``serve.preflight``), then binds, loads the model
+and serves HTTP until interrupted (``serve.lifecycle``), printing how to call it once the port
+accepts connections. ``--no-cache`` runs the same engine with kvtier off (the baseline). Main
+thread.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import argparse
 import logging
 from typing import Any
 
-from kvtier.config import KvtierConfig, add_config_flags, config_from_args
+from kvtier.config import KvtierConfig, add_config_flags, config_from_args, explicit_paths
 
 
 def register(subparsers: Any) -> None:
@@ -21,9 +23,6 @@ def register(subparsers: Any) -> None:
                     "reference engine (transformers) with kvtier's tiered KV cache.")
     parser.add_argument("--no-cache", action="store_true",
                         help="Run the same engine with kvtier off (sets cache.enabled=false).")
-    parser.add_argument("--max-running", type=int, default=4, metavar="N",
-                        help="Sequences generated at once; others wait in the fair queue "
-                             "[default: 4].")
     add_config_flags(parser)
     parser.set_defaults(handler=run)
 
@@ -34,7 +33,8 @@ def how_to_call(base: str, config: KvtierConfig, model: str) -> str:
         f"kvtier serving {model} at {base}",
         f"  curl {base}/v1/models{auth}",
         f"  curl {base}/v1/completions{auth} -H 'Content-Type: application/json' \\",
-        f"       -d '{{\"model\": \"{model}\", \"prompt\": \"Return the\", \"max_tokens\": 16}}'",
+        f"       -d '{{\"model\": \"{model}\", \"prompt\": \"Return the\", \"max_tokens\": 16, "
+        "\"temperature\": 0}'",
         "  python: openai.OpenAI(base_url=\"" + base + "/v1\", api_key=\"...\")"
         ".completions.create(model=\"" + model + "\", prompt=\"...\")",
         "  usage.prompt_tokens_details.cached_tokens tells how much of a prompt came from the cache.",
@@ -44,14 +44,18 @@ def how_to_call(base: str, config: KvtierConfig, model: str) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.no_cache:
         setattr(args, "cfg:cache.enabled", "false")
-    flags_config = config_from_args(args)
+    config = config_from_args(args)
+    from kvtier.serve.preflight import check_settings
+
+    check_settings(config)
+    name = _model_name(config)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from kvtier.serve.app import serve
+    from kvtier.serve.lifecycle import serve
 
     def ready(base: str) -> None:
-        print(how_to_call(base, flags_config, _model_name(flags_config)), flush=True)
+        print(how_to_call(base, config, name), flush=True)
 
-    serve(flags_config, max_running=args.max_running, ready=ready)
+    serve(config, explicit_paths(args), ready=ready)
     return 0
 
 

@@ -1,15 +1,18 @@
-"""The FastAPI application: routers, ``/health``, the API key and body-size guards, and ``serve``.
+"""The FastAPI application: routers, ``/health``, the API-key guard, limits and error counts.
 
-Owns ``create_app(service, config)`` and ``serve(config)``. Routers come from the modules in
-``ROUTER_MODULES``, each exposing ``build_router(service, config)`` (the OpenAI routes now; the
-admin API and ``/metrics`` add themselves there). ``server.api_key`` guards ``/v1/*`` with a
-bearer key; bodies above ``server.max_body_bytes`` get 413 before they are parsed. FastAPI and
-uvicorn are imported here only, so the engine and benchmarks never need them. The event loop
-runs on the main thread; the engine on its own.
+Owns ``create_app(service, config)``. Routers come from the modules in ``ROUTER_MODULES``, each
+exposing ``build_router(service, config)`` (the OpenAI routes, the admin API and ``/metrics``).
+``server.api_key`` guards ``/v1/*`` with a bearer key; ``serve.limits`` refuses oversized bodies
+and too many requests in flight; ``serve.error_counts``, outermost, counts every 4xx answer.
+While the app runs, a task logs the stats line every ``server.stats_interval_s`` seconds
+(``serve.logs``). FastAPI is imported inside functions only, so the engine and benchmarks never
+need it; uvicorn runs the app from ``serve.lifecycle`` and ``serve.background``. The event loop
+runs on the main thread (``kvtier serve``) or a background thread; the engine on its own.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import importlib
 import logging
@@ -17,8 +20,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvtier.config import KvtierConfig
+from kvtier.serve.error_counts import CountErrors
 from kvtier.serve.errors import APIError, install_error_handlers
 from kvtier.serve.limits import install_limits
+from kvtier.serve.logs import log_stats_every
 
 log = logging.getLogger("kvtier.serve")
 
@@ -31,16 +36,10 @@ ROUTER_MODULES: tuple[str, ...] = (
 
 def _guard(config: KvtierConfig) -> Callable[[Any, Callable[[Any], Awaitable[Any]]], Awaitable[Any]]:
     api_key = config.server.api_key
-    max_body = config.server.max_body_bytes
 
     async def guard(request: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:
         from fastapi.responses import JSONResponse
 
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > max_body:
-            err = APIError(413, f"request body of {length} bytes exceeds the limit of "
-                           f"{max_body} bytes", code="body_too_large")
-            return JSONResponse(err.body(), status_code=413)
         if api_key and request.url.path.startswith("/v1/"):
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
@@ -61,15 +60,22 @@ def create_app(service: Any, config: KvtierConfig) -> Any:
 
     @asynccontextmanager
     async def lifespan(_app: Any) -> Any:
-        yield
-        service.close()
+        interval = config.server.stats_interval_s
+        ticker = asyncio.create_task(log_stats_every(service, interval)) if interval else None
+        try:
+            yield
+        finally:
+            if ticker is not None:
+                ticker.cancel()
+            service.close()
 
     app = FastAPI(title="kvtier", version=_version(), lifespan=lifespan)
     app.state.service = service
     app.state.config = config
     install_error_handlers(app)
-    install_limits(app, config)  # inside the guard: keyless requests take no in-flight slot
+    counters = install_limits(app, config)  # inside the guard: keyless requests take no slot
     app.middleware("http")(_guard(config))
+    app.add_middleware(CountErrors, counters=counters)  # outermost: sees every answer
 
     @app.get("/health")
     async def health() -> Any:
@@ -86,19 +92,3 @@ def _version() -> str:
     from kvtier import __version__
 
     return __version__
-
-
-def serve(config: KvtierConfig, *, max_running: int = 4, ready: Callable[[str], None] | None = None
-          ) -> None:
-    """Load the engine, then serve HTTP until interrupted."""
-    import uvicorn
-
-    from kvtier.engine.service import EngineService
-
-    service = EngineService.build(config, max_running=max_running)
-    app = create_app(service, config)
-    base = f"http://{config.server.host}:{config.server.port}"
-    if ready is not None:
-        ready(base)
-    uvicorn.run(app, host=config.server.host, port=config.server.port, log_level="info",
-                timeout_graceful_shutdown=5)

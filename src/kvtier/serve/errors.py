@@ -2,7 +2,9 @@
 
 Owns ``APIError`` (raise it from any route) and ``install_error_handlers`` (maps ``APIError``,
 schema failures and anything unexpected onto that shape, so a client never sees a bare 422 or an
-HTML page). Schema failures become 400 with every bad field named. Request threads (asyncio).
+HTML page). Schema failures become 400 ``invalid_request_error`` with every bad field named:
+code ``invalid_json`` (what is wrong, at which line and column), ``unknown_parameter`` (a field
+the schema does not declare) or ``invalid_value``. Request threads (asyncio).
 """
 
 from __future__ import annotations
@@ -33,13 +35,39 @@ class APIError(Exception):
                           "param": self.param, "code": self.code}}
 
 
-def _describe(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
-    parts, first = [], None
+def _describe(errors: list[dict[str, Any]], body: Any) -> tuple[str, str | None, str]:
+    """(message, first bad field, code) for schema failures: malformed JSON says what is wrong
+    and where (line, column), an unknown field is named as OpenAI names it."""
+    parts, first, codes = [], None, set()
     for err in errors:
+        kind = err.get("type")
+        if kind == "json_invalid":
+            codes.add("invalid_json")
+            parts.append(_json_problem(err, body))
+            continue
         where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
         first = first or where
-        parts.append(f"{where}: {err.get('msg', 'invalid')}")
-    return "; ".join(parts) or "invalid request body", first
+        if kind == "extra_forbidden":
+            codes.add("unknown_parameter")
+            parts.append(f"unrecognized request argument supplied: {where}")
+        else:
+            codes.add("invalid_value")
+            parts.append(f"{where}: {err.get('msg', 'invalid')}")
+    code = next((c for c in ("invalid_json", "invalid_value") if c in codes), "unknown_parameter")
+    return "; ".join(parts) or "invalid request body", first, code
+
+
+def _json_problem(err: dict[str, Any], body: Any) -> str:
+    """'the request body is not valid JSON: Expecting value at line 2, column 5 (char 9)'."""
+    pos = next((p for p in err.get("loc", ()) if isinstance(p, int)), None)
+    what = (err.get("ctx") or {}).get("error") or "JSON decode error"
+    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
+    if pos is None or not isinstance(text, str):
+        return f"the request body is not valid JSON: {what}"
+    line = text.count("\n", 0, pos) + 1
+    column = pos - (text.rfind("\n", 0, pos) + 1) + 1
+    return (f"the request body is not valid JSON: {what} at line {line}, column {column} "
+            f"(char {pos})")
 
 
 def install_error_handlers(app: Any) -> None:
@@ -54,12 +82,14 @@ def install_error_handlers(app: Any) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Any, exc: RequestValidationError) -> JSONResponse:
-        message, param = _describe(list(exc.errors()))
-        return JSONResponse(APIError(400, message, param=param).body(), status_code=400)
+        message, param, code = _describe(list(exc.errors()), getattr(exc, "body", None))
+        return JSONResponse(APIError(400, message, param=param, code=code).body(),
+                            status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_request: Any, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(APIError(exc.status_code, str(exc.detail)).body(),
+        code = {404: "unknown_route", 405: "method_not_allowed"}.get(exc.status_code)
+        return JSONResponse(APIError(exc.status_code, str(exc.detail), code=code).body(),
                             status_code=exc.status_code)
 
     @app.exception_handler(Exception)

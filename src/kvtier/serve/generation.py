@@ -3,13 +3,15 @@
 Owns ``stream_text``: it submits a ``GenerationRequest`` with a sink that hands engine events to
 the event loop, turns token ids into text (``Detokenizer``), cuts at stop strings
 (``StopMatcher``), cancels the engine's work when the stream ends early (stop string, client
-gone), and finishes with a ``Done`` carrying the finish reason and the OpenAI usage block.
+gone), finishes with a ``Done`` carrying the finish reason and the OpenAI usage block, and
+logs one line per request when it ends, whatever ended it (``serve.logs.request_line``).
 Runs on the server's event loop; the engine runs on its own thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +20,7 @@ from kvtier.engine.request import FinishEvent, GenerationRequest, PrefillReport,
 from kvtier.engine.scheduler import QueueFull
 from kvtier.engine.text import Detokenizer, StopMatcher
 from kvtier.serve.errors import APIError
+from kvtier.serve.logs import request_line, request_log
 
 DISCONNECT_CHECK_S = 1.0
 
@@ -73,7 +76,7 @@ async def stream_text(service: Any, request: GenerationRequest, stops: list[str]
         raise APIError(429, str(exc), code="queue_full") from None
     detok = Detokenizer(service.tokenizer)
     stopper = StopMatcher(stops)
-    produced, reason = 0, None
+    produced, reason, outcome, report = 0, None, "cancelled", None
     try:
         while True:
             event = await _next_event(queue, disconnected)
@@ -90,7 +93,9 @@ async def stream_text(service: Any, request: GenerationRequest, stops: list[str]
                     handle.cancel()
                 continue
             assert isinstance(event, FinishEvent)
+            report = event.prefill
             if event.reason == "error":
+                outcome = "error"
                 raise APIError(500, f"generation failed: {event.error}", code=event.error_kind)
             if reason is None:
                 tail = stopper.feed(detok.flush()) + stopper.flush()
@@ -98,8 +103,19 @@ async def stream_text(service: Any, request: GenerationRequest, stops: list[str]
                     yield tail
                 stopped = stopper.stopped or event.reason in ("stop", "cancelled")
                 reason = "stop" if stopped else event.reason
+            outcome = reason
             yield Done(reason, usage_block(event.prefill, len(request.prompt_ids), produced))
             return
     finally:
         if not handle.done.is_set():
             handle.cancel()
+        _log_end(request, handle, outcome, report, produced)
+
+
+def _log_end(request: GenerationRequest, handle: Any, outcome: str, report: PrefillReport | None,
+             produced: int) -> None:
+    first = handle.first_token_at
+    request_log.info(request_line(
+        request.request_id, outcome, len(request.prompt_ids), report, produced,
+        None if first is None else first - handle.submitted_at,
+        time.perf_counter() - handle.submitted_at))

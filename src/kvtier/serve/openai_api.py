@@ -5,7 +5,9 @@ length against ``server.max_prompt_tokens`` and the model's positions), the mapp
 onto a ``GenerationRequest``, and both answer shapes (one JSON body, or server-sent events
 ending in ``data: [DONE]``, with a final usage chunk when ``stream_options.include_usage``).
 Usage carries ``prompt_tokens_details.cached_tokens`` and kvtier's per-tier breakdown under
-``usage.kvtier``. Runs on the server's event loop. (No ``from __future__ import annotations``:
+``usage.kvtier``. ``/v1/models`` gives the model's ``max_model_len`` (its positions: prompt
+plus generated tokens) and, as ``created``, when this server loaded it. Runs on the server's
+event loop. (No ``from __future__ import annotations``:
 FastAPI reads the route annotations, and ``Request`` is imported lazily inside ``build_router``.)
 """
 
@@ -43,9 +45,11 @@ class OpenAIRoutes:
                            code="model_not_found")
         problem = body.unsupported()
         if problem:
-            raise APIError(400, problem, param=problem.split(":", 1)[0])
+            raise APIError(400, problem, param=problem.split(":", 1)[0],
+                           code="unsupported_parameter")
 
-    def generation(self, body: Any, prompt_ids: list[int], cap: int | None) -> GenerationRequest:
+    def generation(self, body: Any, prompt_ids: list[int], cap: int | None,
+                   request_id: str) -> GenerationRequest:
         limit = self.config.server.max_prompt_tokens
         room = self.service.lm.max_positions - len(prompt_ids)
         if len(prompt_ids) > limit or room < 1:
@@ -64,7 +68,7 @@ class OpenAIRoutes:
         stops = () if body.ignore_eos else self.service.lm.eos_token_ids
         return GenerationRequest(
             tuple(prompt_ids), max_new, SamplingParams(body.temperature, body.top_p, body.seed),
-            stops, body.cache_salt, body.tenant)
+            stops, body.cache_salt, body.tenant, request_id)
 
     async def answer(self, body: Any, request: GenerationRequest, disconnected: Callable[[], Any],
                      shape: Callable[[str, str | None], dict[str, Any]], first: dict[str, Any] | None,
@@ -118,11 +122,13 @@ def build_router(service: Any, config: KvtierConfig) -> Any:
 
     routes = OpenAIRoutes(service, config)
     router = APIRouter()
+    loaded_at = int(time.time())  # the router is built once the model has loaded
 
     @router.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": service.model_name, "object": "model",
-                                            "created": 0, "owned_by": "kvtier"}]}
+                                            "created": loaded_at, "owned_by": "kvtier",
+                                            "max_model_len": service.lm.max_positions}]}
 
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request) -> Any:
@@ -132,8 +138,8 @@ def build_router(service: Any, config: KvtierConfig) -> Any:
         except ValueError as exc:
             raise APIError(400, str(exc), param="prompt") from None
         ids = prompt if isinstance(prompt, list) else encode_prompt(service.tokenizer, prompt)
-        gen = routes.generation(body, list(ids), body.max_tokens)
         rid, created = _ids("cmpl")
+        gen = routes.generation(body, list(ids), body.max_tokens, rid)
 
         def chunk(text: str, reason: str | None) -> dict[str, Any]:
             return {"id": rid, "object": "text_completion", "created": created,
@@ -153,8 +159,8 @@ def build_router(service: Any, config: KvtierConfig) -> Any:
             ids = chat_prompt_ids(service.tokenizer, body.chat())
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from None
-        gen = routes.generation(body, ids, body.token_cap)
         rid, created = _ids("chatcmpl")
+        gen = routes.generation(body, ids, body.token_cap, rid)
 
         def chunk(text: str, reason: str | None) -> dict[str, Any]:
             delta = {"content": text} if text or reason is None else {}

@@ -3,8 +3,10 @@
 Owns ``CompletionRequest`` and ``ChatCompletionRequest``: the OpenAI fields kvtier serves, the
 ``cache_salt`` extension (isolates a tenant's cached prefixes), and ``unsupported()`` which
 names a field set to something the reference engine cannot do (n > 1, logprobs, tools, ...),
-so the client gets a clear 400 rather than a silently different answer. Unknown fields are
-ignored, as OpenAI clients send many. Request threads (asyncio); no engine imports.
+so the client gets a clear 400 rather than a silently different answer. A field no model here
+declares is refused (400 ``unknown_parameter`` naming it, as OpenAI's API answers): these
+classes are the one place that says which fields a request may carry, extensions included
+(``cache_salt``, ``ignore_eos``). Request threads (asyncio); no engine imports.
 """
 
 from __future__ import annotations
@@ -17,12 +19,12 @@ MAX_STOPS = 4
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -106,13 +108,16 @@ class CompletionRequest(_Common):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """One part of a message's content; other kinds (images, audio) carry their own fields,
+    so extras are kept here and refused by ``ChatMessage.text`` with the part's kind."""
+
+    model_config = ConfigDict(extra="allow")
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
 
@@ -125,6 +130,9 @@ class ChatMessage(BaseModel):
             if part.type != "text" or part.text is None:
                 raise ValueError(f"message content of type {part.type!r} is not supported "
                                  "(text only)")
+            if part.model_extra:
+                raise ValueError("unrecognized field in a text content part: "
+                                 + ", ".join(sorted(part.model_extra)))
         return "".join(part.text or "" for part in self.content)
 
 
@@ -133,11 +141,18 @@ class ChatCompletionRequest(_Common):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> str | None:
         if self.tools:
             return "tools: tool calling is not supported"
+        if self.tool_choice not in (None, "none"):
+            return "tool_choice: tool calling is not supported"
+        if self.top_logprobs:
+            return "top_logprobs: logprobs are not supported"
         if self.response_format and self.response_format.get("type", "text") != "text":
             return "response_format: only text output is supported"
         return super().unsupported()
