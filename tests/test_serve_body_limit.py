@@ -67,3 +67,15 @@ def test_chunked_upload_past_the_limit_reads_the_413(url):
         while data := sock.recv(65536):
             answer += data
     assert answer.startswith(b"HTTP/1.1 413 ")
+
+
+def test_client_expecting_100_continue_gets_the_413_without_sending_the_body(url):
+    host, port = url.removeprefix("http://").split(":")
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json"
+            f"\r\nContent-Length: {BODY_BYTES}\r\nExpect: 100-continue\r\n\r\n").encode()
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(head)
+        answer = b""
+        while chunk := sock.recv(65536):  # the server closes: it waits for no body
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 413 "), answer[:80]

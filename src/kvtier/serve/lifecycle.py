@@ -66,7 +66,10 @@ def serve(config: KvtierConfig, explicit: set[str] | None = None,
                         attention=engine.attention)
         config = size_pools(config, lm, explicit or set())
         service = EngineService.build(config, lm=lm, max_running=engine.max_running)
-        log.info(service.scheduler.call_soon(lambda: tiers_summary(service)).result(30))
+        try:
+            log.info(service.scheduler.call_soon(lambda: tiers_summary(service)).result(30))
+        except Exception as exc:  # a store that cannot count its pages must not stop the start
+            log.warning("tiers: no summary (%s: %s)", type(exc).__name__, exc)
         app = create_app(service, config)
         base = f"http://{config.server.host}:{listener.getsockname()[1]}"
         server = KvtierServer(

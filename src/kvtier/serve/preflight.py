@@ -55,8 +55,6 @@ def check_store_url(path: str, url: str) -> None:
     if parts.scheme == "file" and (parts.netloc not in ("", "localhost") or not parts.path):
         raise ConfigError(name, url, "file:///absolute/path (three slashes: a file URL has no "
                           f"host part, and {parts.netloc!r} would be one)")
-    if parts.scheme.startswith("redis") and not parts.hostname:
-        raise ConfigError(name, url, "redis://[:password@]host:port/db")
 
 
 def bind_listener(host: str, port: int) -> socket.socket:
