@@ -100,3 +100,30 @@ def test_make_run_needs_only_the_core_environment():
     assert "kvtier serve" in run
     for test_only in ("setup_sglang_env", ".[test]", "install_system_deps"):
         assert test_only not in run and test_only in test
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    ({"store.disk_url": "/var/cache/kvtier"}, ["--disk (store.disk_url)",
+                                               "file:///var/cache/kvtier"]),
+    ({"store.disk_url": "file://relative/dir"}, ["--disk (store.disk_url)", "host part"]),
+    ({"store.remote_url": "valkey://h:6379"}, ["--redis (store.remote_url)", "scheme"]),
+    ({"store.disk_url": "file:///d", "cache.enabled": "false"}, ["--no-cache",
+                                                                 "--disk (store.disk_url)"]),
+    ({"store.remote_url": "redis://h:6379/0", "host.pool_bytes": "0"},
+     ["--host-pool-bytes (host.pool_bytes)", "--redis (store.remote_url)"]),
+])
+def test_preflight_refuses_what_cannot_take_effect_naming_the_settings(flags, words):
+    from kvtier.serve.preflight import check_settings
+
+    with pytest.raises(ConfigError) as info:
+        check_settings(build_config(env={}, flags=flags))
+    assert all(word in str(info.value) for word in words), str(info.value)
+
+
+def test_preflight_accepts_working_store_settings_and_binds_a_free_port():
+    from kvtier.serve.preflight import bind_listener, check_settings
+
+    check_settings(build_config(env={}, flags={"store.disk_url": "file:///tmp/kvtier-x",
+                                               "store.remote_url": "redis://:pw@h:6379/0"}))
+    with bind_listener("127.0.0.1", 0) as sock, pytest.raises(ConfigError, match="in use"):
+        bind_listener("127.0.0.1", sock.getsockname()[1])
