@@ -64,8 +64,10 @@ class TieredCache:
         """Pools, stores, workers, index and controller from ``config``.
 
         ``stores`` (tier -> store) replaces the stores the config names (tests wrap stores in
-        latency or fault injectors this way). ``cache.device_pages`` 0 sizes the device pool
-        from free memory (``cache.device_memory_fraction``; on the CPU at most 1 GiB).
+        latency or fault injectors this way). Store tiers without a host pool, and a host pool
+        smaller than one page, are refused (``ConfigError`` naming the settings).
+        ``cache.device_pages`` 0 sizes the device pool from free memory
+        (``cache.device_memory_fraction``; on the CPU at most 1 GiB).
         """
         from kvtier.controller.workers import IOWorkers
         from kvtier.memory import HostPool, PinnedBudget, WriteAdmission
@@ -73,9 +75,9 @@ class TieredCache:
         from kvtier.transfer import CopyEngine
 
         _check_page_sizes(config, layout, namespace)
+        _check_host_tier(config, layout, stores)
         device_pool = _device_pool(DevicePool, config, layout, device)
         budget = PinnedBudget(config.host.pinned_budget_bytes)
-        _check_host_tier(config, layout, stores)
         host_pool = None
         if config.host.pool_bytes:
             host_pool = HostPool.from_bytes(layout, config.host.pool_bytes, budget,
