@@ -60,8 +60,9 @@ class CacheConfig:
                         "baseline).")
     page_size: int = opt(64, "Tokens per page, the unit of storage.", minimum=1, maximum=4096,
                          alias="--page-size")
-    device_pages: int = opt(0, "Pages in the device pool (0: size from free device memory).",
-                            minimum=0)
+    device_pages: int = opt(0, "Pages in the device pool (0: size from free device memory; "
+                            "left unset on the CPU, kvtier serve holds engine.max_running full "
+                            "contexts of the model, at most 64 MiB).", minimum=0)
     device_memory_fraction: float = opt(0.3, "Share of free device memory for the device pool "
                                         "when device_pages is 0.", minimum=0.01, maximum=0.95)
     eviction_policy: str = opt("retention", "Which pages the device and host tiers keep: "
@@ -73,7 +74,9 @@ class CacheConfig:
 @dataclass(frozen=True)
 class HostConfig:
     pool_bytes: int = opt(2 << 30, "Bytes of the host (pinned) page pool; 0 turns the host tier "
-                          "off.", minimum=0, size=True, alias="--host-pool-bytes")
+                          "off. Left unset, kvtier serve sizes it to the model (twice the "
+                          "device tier's full contexts), at most this default.", minimum=0,
+                          size=True, alias="--host-pool-bytes")
     pinned_budget_bytes: int = opt(8 << 30, "Process-wide limit on pinned host bytes (host pool, "
                                    "read ring, staging). Set it from the machine's real limit.",
                                    minimum=0, size=True)
