@@ -131,3 +131,18 @@ def test_recorder_drops_are_reported_in_its_stats():
             serve(cache, prompt(1, seed=100 + seed))
         assert feed.stats()["recorder"]["dropped_total"] == 3  # 1 clear + 4 stores into 2 slots
         assert len(feed.take()) == 2
+
+
+def test_after_drops_the_first_move_past_a_caught_up_consumer_restates_everything():
+    with make_cache(device_pages=8, host_pages=0) as cache:
+        feed = KVEventFeed.local(cache.ctx.index, queue_events=20)
+        view = new_view()
+        apply_all(view, feed)
+        for seed in range(20):  # 20 stores and 16 evictions into 20 slots: the oldest are lost
+            serve(cache, prompt(2, seed=200 + seed))
+        assert feed.stats()["recorder"]["dropped_total"] == 16
+        feed.take()  # the consumer catches up on what survived; a router's view is now stale
+        serve(cache, prompt(2, seed=300))
+        events = apply_all(view, feed)
+        assert events[0] == AllBlocksCleared() and feed.stats()["recorder"]["repairs_total"] == 1
+        assert plain(view) == plain(index_view(cache.ctx.index, feed.recorder.namer))

@@ -11,7 +11,8 @@ page promoted from disk to host is described completely even to a router that ne
 the device), a run leaving a tier (``BlockRemoved``: eviction, a store losing a page, a detach),
 and, after ``clear_tiers`` (flush, a store's clear or detach) or on attach, ``AllBlocksCleared``
 followed by a ``BlockStored`` for every run still indexed on every tier, so a subscriber that
-applies the stream holds exactly the index's view.
+applies the stream holds exactly the index's view. After the queue dropped events (counted), the
+same restatement repairs subscribers at the first transition that finds the consumer caught up.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class EventRecorder:
         self.queue = DropOldestQueue(queue_events)
         self.paused = False
         self.unnamed_pages = 0
+        self.repairs = 0
+        self._repaired_drops = 0
 
     # ---- engine thread ---------------------------------------------------------------------
     def attach(self) -> EventRecorder:
@@ -52,6 +55,8 @@ class EventRecorder:
             self.index.observer = None
 
     def stored(self, node: Node, t: int) -> None:
+        if self.queue.dropped != self._repaired_drops and self._repair():
+            return
         keys = node.keys
         if not keys:  # a bookkeeping-only index without keys: nothing to name the pages by
             self.unnamed_pages += node.pages
@@ -61,6 +66,8 @@ class EventRecorder:
         self.queue.put((_STORED, t, node.tokens, keys, parent_key))
 
     def removed(self, node: Node, t: int) -> None:
+        if self.queue.dropped != self._repaired_drops and self._repair():
+            return
         if node.keys:
             self.queue.put((_REMOVED, t, node.keys))
 
@@ -70,6 +77,19 @@ class EventRecorder:
             for t, value in enumerate(node.res):
                 if value is not None:
                     self.stored(node, t)
+
+    def _repair(self) -> bool:
+        """Events were dropped: once the consumer has caught up (the queue is empty) and the
+        index's runs fit in half the queue, restate everything (it includes the transition
+        that called). True if it did."""
+        queue = self.queue
+        resident = sum(ledger.resident for ledger in self.index.ledgers)
+        if len(queue) or resident + 1 > queue.capacity // 2:
+            return False
+        self._repaired_drops = queue.dropped
+        self.repairs += 1
+        self.cleared(self.index)
+        return True
 
     # ---- any one consumer thread ---------------------------------------------------------------
     def take(self, limit: int | None = None) -> list[KVEvent]:
@@ -90,4 +110,5 @@ class EventRecorder:
                            locality)
 
     def stats(self) -> dict[str, int]:
-        return {**self.queue.stats(), "unnamed_pages_total": self.unnamed_pages}
+        return {**self.queue.stats(), "unnamed_pages_total": self.unnamed_pages,
+                "repairs_total": self.repairs}
