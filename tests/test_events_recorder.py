@@ -146,3 +146,18 @@ def test_after_drops_the_first_move_past_a_caught_up_consumer_restates_everythin
         events = apply_all(view, feed)
         assert events[0] == AllBlocksCleared() and feed.stats()["recorder"]["repairs_total"] == 1
         assert plain(view) == plain(index_view(cache.ctx.index, feed.recorder.namer))
+
+
+def test_a_flush_after_drops_is_itself_the_repair():
+    with make_cache(device_pages=8, host_pages=0) as cache:
+        feed = KVEventFeed.local(cache.ctx.index, queue_events=20)
+        for seed in range(20):
+            serve(cache, prompt(2, seed=400 + seed))
+        feed.take()
+        cache.flush()
+        view = new_view()
+        apply_all(view, feed)
+        serve(cache, prompt(2, seed=500))
+        apply_all(view, feed)
+        assert feed.stats()["recorder"]["repairs_total"] == 0  # the flush restated everything
+        assert plain(view) == plain(index_view(cache.ctx.index, feed.recorder.namer))

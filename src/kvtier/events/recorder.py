@@ -72,11 +72,15 @@ class EventRecorder:
             self.queue.put((_REMOVED, t, node.keys))
 
     def cleared(self, index: Any) -> None:
-        self.queue.put((_CLEARED,))
+        queue = self.queue
+        before = queue.dropped
+        queue.put((_CLEARED,))
         for node in index.iter_nodes():  # parents first, so every parent is announced before
             for t, value in enumerate(node.res):
                 if value is not None:
                     self.stored(node, t)
+        if queue.dropped == before:  # a complete restatement also repairs earlier drops
+            self._repaired_drops = queue.dropped
 
     def _repair(self) -> bool:
         """Events were dropped: once the consumer has caught up (the queue is empty) and the
