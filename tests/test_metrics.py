@@ -65,13 +65,17 @@ def test_every_required_family_is_present_with_its_type() -> None:
     for name, kind in REQUIRED.items():
         assert name in found, name
         assert found[name].type == kind, name
-    assert all(name.startswith("kvtier_") for name in found)
+    assert all(name.startswith("kvtier_") for name in found
+               if name != "prompt_tokens_cached_by_source")  # the router-read name of one count
 
 
 def test_series_carry_the_numbers_of_the_snapshot() -> None:
     text = render_metrics(cache_snapshot()).decode()
     cached = samples(text, "kvtier_cached_tokens_total")
     assert cached[(("tier", "device"),)] == 48 and cached[(("tier", "disk"),)] == 16
+    by_source = samples(text, "prompt_tokens_cached_by_source_total")
+    assert by_source == {(("source", t),): cached[(("tier", t),)] for t in
+                         ("device", "host", "disk", "remote")}
     assert samples(text, "kvtier_prompt_tokens_total") == {(): 100.0}
     written = samples(text, "kvtier_store_bytes_total")
     assert written[(("backend", "memory"), ("direction", "write"), ("tier", "disk"))] == \
@@ -81,6 +85,18 @@ def test_series_carry_the_numbers_of_the_snapshot() -> None:
                                                       (("outcome", "stop"),): 1.0}
     rejected = samples(text, "kvtier_requests_rejected_total")
     assert rejected == {(("reason", "body_too_large"),): 4.0, (("reason", "queue_full"),): 3.0}
+
+
+def test_kv_event_counters_appear_only_when_events_are_on() -> None:
+    snap = cache_snapshot()
+    assert "kvtier_kv_events" not in families(render_metrics(snap).decode())
+    snap["kv_events"] = {"recorder": {"put_total": 9, "dropped_total": 2},
+                         "publisher": {"events": 7, "batches": 3, "replay_requests": 1,
+                                       "replay_invalid": 0}}
+    text = render_metrics(snap).decode()
+    assert samples(text, "kvtier_kv_events_total") == {
+        (("outcome", "recorded"),): 9, (("outcome", "dropped"),): 2, (("outcome", "published"),): 7}
+    assert samples(text, "kvtier_kv_event_batches_total") == {(): 3}
 
 
 def test_histogram_buckets_are_cumulative_and_end_at_the_count() -> None:

@@ -144,6 +144,18 @@ class ServerConfig:
     stats_interval_s: float = opt(10.0, "Seconds between the server's stats log lines "
                                   "(throughput, queue, hit rate and pages per tier); 0: off.",
                                   minimum=0.0)
+    kv_events_endpoint: str = opt("", "ZMQ endpoint for KV events in vLLM's format (empty: "
+                                  "off). tcp://*:5557 binds; tcp://host:5557 connects to a "
+                                  "subscriber that binds.", alias="--kv-events")
+    kv_events_topic: str = opt("", "Topic frame of every KV event message (llm-d reads "
+                               "kv@<pod>@<model>).")
+    kv_events_replay_endpoint: str = opt("", "ZMQ ROUTER endpoint (bound) answering replay "
+                                         "requests (empty: no replay).")
+    kv_events_buffer_batches: int = opt(10000, "Published batches kept for replay.", minimum=1)
+    kv_events_queue_events: int = opt(100000, "Events waiting for the publisher; past it the "
+                                      "oldest are dropped (counted).", minimum=1)
+    kv_events_block_size: int = opt(0, "Tokens per block in KV events (0: the page size; else a "
+                                    "divisor of it, the router's block size).", minimum=0)
 
 
 @dataclass(frozen=True)

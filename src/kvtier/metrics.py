@@ -9,8 +9,9 @@ the caller gathers (the server's ``/metrics`` route does so on the engine thread
 
 Any part may be missing (the cache is off, the engine did not answer in time); its series are
 then left out, except the request and scheduler counters, which start at zero. Every series is
-named ``kvtier_*``; store series carry the tier and the backend, so two tiers on one backend
-stay apart. Nothing is registered globally: each call builds a private registry, so rendering is
+named ``kvtier_*`` (plus ``prompt_tokens_cached_by_source_total``, the name routers read, beside
+``kvtier_cached_tokens_total``); store series carry the tier and the backend, so two tiers on one
+backend stay apart. Nothing is registered globally: each call builds a private registry, so rendering is
 a pure function of the snapshot. Any thread.
 """
 
@@ -59,6 +60,8 @@ class _SnapshotCollector:
             yield from _memory(cache)
             yield _write_refused(cache)
         yield from _bindings(snap.get("bindings") or {})
+        if snap.get("kv_events"):
+            yield from _kv_events(snap["kv_events"])
 
 
 # ---- family helpers -------------------------------------------------------------------------
@@ -123,6 +126,9 @@ def _requests(req: Mapping[str, Any]) -> Iterator[Metric]:
     cached = req.get("cached_tokens_total") or dict.fromkeys(TIERS, 0)
     yield _counter("kvtier_cached_tokens_total", "Prompt tokens served from the cache, by the "
                    "tier they came from.", _by_key(cached), ("tier",))
+    yield _counter("prompt_tokens_cached_by_source_total", "The same count under the name "
+                   "routers and dashboards read: prompt tokens served from the cache, by source "
+                   "tier.", _by_key(cached), ("source",))
     for key, name, doc in (
             ("ttft_seconds", "kvtier_time_to_first_token_seconds", "Time from a request's "
              "arrival at the engine to its first token."),
@@ -130,6 +136,20 @@ def _requests(req: Mapping[str, Any]) -> Iterator[Metric]:
             ("prefill_seconds", "kvtier_prefill_seconds", "Time a prefill took (cache match, "
              "load and compute).")):
         yield _histogram(name, doc, req.get(key) or {})
+
+
+def _kv_events(feed: Mapping[str, Any]) -> Iterator[Metric]:
+    rec, pub = feed.get("recorder") or {}, feed.get("publisher") or {}
+    yield _counter("kvtier_kv_events_total", "KV events by fate: recorded on the engine thread, "
+                   "dropped (the oldest, when the queue was full), published on ZMQ.",
+                   [(("recorded",), rec.get("put_total", 0)),
+                    (("dropped",), rec.get("dropped_total", 0)),
+                    (("published",), pub.get("events", 0))], ("outcome",))
+    yield _counter("kvtier_kv_event_batches_total", "KV event batches published (sequence numbers "
+                   "used).", [((), pub.get("batches", 0))])
+    yield _counter("kvtier_kv_event_replays_total", "Replay requests, by outcome.",
+                   [(("served",), pub.get("replay_requests", 0)),
+                    (("invalid",), pub.get("replay_invalid", 0))], ("outcome",))
 
 
 def _scheduler(sched: Mapping[str, Any], http: Mapping[str, Any]) -> Iterator[Metric]:

@@ -191,7 +191,7 @@ class CacheController:
     def flush(self) -> dict[str, int]:
         """Drop the device and host tiers (pinned pages stay); stores keep everything."""
         self.drain()
-        dropped = {"device": self.ctx.index.clear("device"), "host": self.ctx.index.clear("host")}
+        dropped = self.ctx.index.clear_tiers(("device", "host"))
         self.ctx.count("flush_total")
         return dropped
 

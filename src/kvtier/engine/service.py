@@ -16,6 +16,7 @@ from kvtier.engine.hf import CausalLM, load_model
 from kvtier.engine.request import GenerationRequest, RequestHandle
 from kvtier.engine.runner import Engine
 from kvtier.engine.scheduler import Scheduler
+from kvtier.errors import ConfigError
 
 log = logging.getLogger("kvtier.engine")
 
@@ -29,6 +30,12 @@ class EngineService:
         self.lm = lm
         self.prefix_cache = prefix_cache
         self.engine = Engine(lm, prefix_cache)
+        try:
+            self.kv_events = _kv_events(config, prefix_cache)
+        except BaseException:
+            if prefix_cache is not None:
+                prefix_cache.close()
+            raise
         poll = prefix_cache.poll if prefix_cache is not None else None
         self.scheduler = Scheduler(self.engine, max_running=max_running,
                                    max_pending=config.server.max_concurrent_requests, poll=poll)
@@ -82,7 +89,28 @@ class EngineService:
             out["cache"] = self.prefix_cache.stats()
         return out
 
+    def kv_events_stats(self) -> dict[str, Any] | None:
+        """The KV event feed's counters (None when events are off); any thread."""
+        return self.kv_events.stats() if self.kv_events is not None else None
+
     def close(self) -> None:
         self.scheduler.stop()
+        if self.kv_events is not None:
+            self.kv_events.close()
         if self.prefix_cache is not None:
             self.prefix_cache.close()
+
+
+def _kv_events(config: KvtierConfig, prefix_cache: Any) -> Any:
+    """The KV event feed ``server.kv_events_endpoint`` asks for (before the engine thread runs)."""
+    if not config.server.kv_events_endpoint:
+        return None
+    if prefix_cache is None:
+        raise ConfigError("server.kv_events_endpoint", config.server.kv_events_endpoint,
+                          "only with the cache on (cache.enabled true): events describe its tiers")
+    from kvtier.events import KVEventFeed
+
+    feed = KVEventFeed.from_config(config.server, prefix_cache.tiered.ctx.index)
+    log.info("KV events on %s (topic %r, replay %s)", feed.publisher.endpoint,
+             config.server.kv_events_topic, feed.publisher.replay_endpoint or "off")
+    return feed

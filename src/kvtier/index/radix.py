@@ -32,10 +32,10 @@ from kvtier.index.insert import InsertWalk
 from kvtier.index.integrity import check_index
 from kvtier.index.match import IndexMatch, InsertResult
 from kvtier.index.residency import TIERS, Node, TierLedger, TierSizes, tier_index
-from kvtier.index.tree import EvictHook, Tree
+from kvtier.index.tree import EvictHook, ResidencyObserver, Tree
 from kvtier.keys import token_bytes
 
-__all__ = ["EvictHook", "RadixIndex", "as_token_bytes", "salt_bytes"]
+__all__ = ["EvictHook", "RadixIndex", "ResidencyObserver", "as_token_bytes", "salt_bytes"]
 
 _ALL_TIERS = (1 << len(TIERS)) - 1
 
@@ -60,7 +60,8 @@ class RadixIndex(Tree):
 
     ``RadixIndex(page_size, allocators=None, capacities=None, policies="lru", on_evict=None)``:
     ``policies`` is one policy name for every tier or a mapping tier -> name or instance;
-    ``on_evict(node, tier)`` runs before each victim leaves a tier.
+    ``on_evict(node, tier)`` runs before each victim leaves a tier; ``observer`` (a
+    ``ResidencyObserver``, None by default) hears every residency change after it happens.
     """
 
     # ---- lookup (no mutation) ------------------------------------------------------------
@@ -190,7 +191,20 @@ class RadixIndex(Tree):
 
     def clear(self, tier: str) -> int:
         """Evict every evictable page of ``tier`` (no hooks); locked pages stay."""
-        return self.evict(tier, self.ledgers[tier_index(tier)].evictable, use_hook=False)
+        return self.clear_tiers((tier,))[tier]
+
+    def clear_tiers(self, tiers: Sequence[str]) -> dict[str, int]:
+        """``clear`` each tier; an observer hears one ``cleared`` for all instead of each removal."""
+        observer = self.observer
+        if observer is not None:
+            observer.paused = True
+        try:
+            return {tier: self.evict(tier, self.sizes(tier).evictable, use_hook=False)
+                    for tier in tiers}
+        finally:
+            if observer is not None:
+                observer.paused = False
+                observer.cleared(self)
     # ---- page ids ----------------------------------------------------------------------------
     def can_allocate(self, tier: str, n: int) -> bool:
         ledger = self.ledgers[tier_index(tier)]

@@ -4,13 +4,14 @@ Owns ``Tree``, the base of ``RadixIndex``: the roots (one per tenant salt), node
 splitting, and the only code that changes a node's residency or locks (``_set``, ``_unset``,
 ``_release``, ``lock``, ``unlock``, ``drop``), each keeping the tier ledgers' resident and
 protected counts and the eviction policies' membership exact (see ``kvtier.index.radix`` for
-the invariants). Engine thread only; no torch.
+the invariants). ``_set`` and ``_unset`` also tell the optional ``observer`` (KV events); with
+none attached that costs one attribute test per transition. Engine thread only; no torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from kvtier.index.eviction import EvictionPolicy, make_eviction_policy
 from kvtier.index.residency import (
@@ -28,6 +29,23 @@ from kvtier.keys import KEY_BYTES
 EvictHook = Callable[[Node, str], None]
 
 
+class ResidencyObserver(Protocol):
+    """Told of every residency change, on the engine thread, after the change (``kvtier.events``).
+
+    ``stored(node, t)``: tier ``t`` now holds ``node``'s run; ``removed(node, t)``: it no longer
+    does (``node`` still carries its tokens, keys and parent). ``paused`` true: the index is inside
+    ``RadixIndex.clear_tiers``, which reports one ``cleared(index)`` instead of each removal.
+    """
+
+    paused: bool
+
+    def stored(self, node: Node, t: int) -> None: ...
+
+    def removed(self, node: Node, t: int) -> None: ...
+
+    def cleared(self, index: Tree) -> None: ...
+
+
 class Tree:
     """Roots, nodes and residency bookkeeping shared by every index operation."""
 
@@ -42,6 +60,7 @@ class Tree:
         self._roots: dict[bytes, Node] = {}
         self._clock = 0
         self.on_evict = on_evict
+        self.observer: ResidencyObserver | None = None
         self.ledgers: tuple[TierLedger, ...] = tuple(
             self._make_ledger(tier, allocators or {}, capacities or {}, policies) for tier in TIERS)
 
@@ -111,6 +130,8 @@ class Tree:
                 ledger.policy.remove(parent)
         if not node.locks[t] and not node.kids[t]:
             ledger.policy.add(node, node.pages)
+        if self.observer is not None:
+            self.observer.stored(node, t)
 
     def _unset(self, node: Node, t: int) -> Any:
         ledger = self.ledgers[t]
@@ -126,6 +147,8 @@ class Tree:
             parent.kids[t] -= 1
             if not parent.kids[t] and parent.res[t] is not None and not parent.locks[t]:
                 ledger.policy.add(parent, parent.pages)
+        if self.observer is not None and not self.observer.paused:
+            self.observer.removed(node, t)
         return value
 
     def _delete(self, node: Node) -> None:

@@ -152,7 +152,8 @@ class AdminOps:
         snap: dict[str, Any] = {
             "info": {"version": __version__, "model": self.service.model_name},
             "requests": scheduler.requests.snapshot(), "scheduler": scheduler.stats(),
-            "http": http.snapshot() if http is not None else {}, "cache": None, "bindings": {}}
+            "http": http.snapshot() if http is not None else {}, "cache": None, "bindings": {},
+            "kv_events": self.service.kv_events_stats()}
 
         def engine_part() -> dict[str, Any]:
             tiered = self.tiered
