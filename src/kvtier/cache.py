@@ -28,7 +28,6 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
 
 from kvtier.config import KvtierConfig
 from kvtier.controller.context import CacheContext
@@ -36,6 +35,7 @@ from kvtier.controller.controller import CacheController
 from kvtier.controller.handles import Hit, Loaded
 from kvtier.controller.ranks import Collective
 from kvtier.controller.split import RateBook
+from kvtier.controller.wiring import bind_host_pool, open_stores
 from kvtier.errors import ConfigError
 from kvtier.index.radix import RadixIndex
 from kvtier.keys import KeyNamespace
@@ -67,10 +67,8 @@ class TieredCache:
         latency or fault injectors this way). ``cache.device_pages`` 0 sizes the device pool
         from free memory (``cache.device_memory_fraction``; on the CPU at most 1 GiB).
         """
-        from kvtier.controller.workers import IOWorkers
-        from kvtier.memory import HostPool, PinnedBudget, WriteAdmission
+        from kvtier.memory import HostPool, PinnedBudget
         from kvtier.memory.device_pool import DevicePool
-        from kvtier.transfer import CopyEngine
 
         _check_page_sizes(config, layout, namespace)
         device_pool = _device_pool(DevicePool, config, layout, device)
@@ -79,28 +77,18 @@ class TieredCache:
         if config.host.pool_bytes >= layout.page_bytes:
             host_pool = HostPool.from_bytes(layout, config.host.pool_bytes, budget,
                                             host_layout=config.host.layout)
-        opened = stores if stores is not None else _open_stores(config, layout) if host_pool else {}
+        opened = stores if stores is not None else open_stores(config, layout) if host_pool else {}
         if host_pool is None:  # stores only talk to the host tier: without one they are unused
             for store in opened.values():
                 store.close()
             opened = {}
-        allocators = {"device": device_pool.allocator}
-        if host_pool is not None:
-            allocators["host"] = host_pool.allocator
-        ctrl = config.controller
         ctx = CacheContext(
-            index=RadixIndex(layout.page_size, allocators=allocators,
+            index=RadixIndex(layout.page_size, allocators={"device": device_pool.allocator},
                              policies=config.cache.eviction_policy), namespace=namespace,
-            config=ctrl, device_pool=device_pool, host_pool=host_pool,
-            copy=CopyEngine(device_pool, host_pool, path=config.host.copy_path,
-                            staging_bytes=config.host.copy_staging_bytes)
-            if host_pool is not None else None,
-            stores=dict(opened),
-            rates=RateBook.for_device(device))
-        if ctx.stores:
-            ctx.workers = IOWorkers(host_pool, ctrl.io_workers, ctrl.io_queue_depth)
-            ctx.admission = WriteAdmission.for_host_pool(host_pool.num_pages,
-                                                         config.host.prefetch_share)
+            config=config.controller, device_pool=device_pool, rates=RateBook.for_device(device))
+        for tier, store in opened.items():
+            ctx.stores[tier] = store
+        bind_host_pool(ctx, host_pool, config)
         controller = CacheController(ctx, prefetch_share=config.host.prefetch_share,
                                      collective=collective)
         return cls(ctx, controller, budget)
@@ -215,36 +203,3 @@ def _device_pool(pool_cls: Any, config: KvtierConfig, layout: KVLayout, device: 
     available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     budget = min(int(available * config.cache.device_memory_fraction), CPU_DEVICE_POOL_CAP_BYTES)
     return pool_cls(layout, max(1, budget // layout.page_bytes), device)
-
-
-def _open_stores(config: KvtierConfig, layout: KVLayout) -> dict[str, PageStore]:
-    from kvtier.store import open_store
-
-    out: dict[str, PageStore] = {}
-    store = config.store
-    if store.disk_url:
-        options = {"max_bytes": store.disk_max_bytes}
-        if urlsplit(store.disk_url).scheme == "file":
-            options["min_free_bytes"] = store.disk_min_free_bytes
-        out["disk"] = open_store(store.disk_url, page_bytes=layout.page_bytes,
-                                 **_not_in_query(store.disk_url, options))
-    if store.remote_url:
-        options = {"timeout_s": store.remote_timeout_s}
-        if store.remote_ttl_s:
-            options["ttl_s"] = store.remote_ttl_s
-        if urlsplit(store.remote_url).scheme == "memory":
-            options = {}
-        try:
-            out["remote"] = open_store(store.remote_url, page_bytes=layout.page_bytes,
-                                       **_not_in_query(store.remote_url, options))
-        except BaseException:
-            for opened in out.values():
-                opened.close()
-            raise
-    return out
-
-
-def _not_in_query(url: str, options: dict[str, Any]) -> dict[str, Any]:
-    """Config values as store options, unless the URL's query sets them itself."""
-    given = {name for name, _ in parse_qsl(urlsplit(url).query)}
-    return {k: v for k, v in options.items() if k not in given}

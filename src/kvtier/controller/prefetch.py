@@ -63,10 +63,16 @@ class Prefetcher:
 
     def __init__(self, ctx: CacheContext, prefetch_share: float) -> None:
         self.ctx = ctx
-        pages = ctx.host_pool.num_pages if ctx.has_host else 0
-        self.landing_cap = pages - staging_capacity_pages(pages, prefetch_share)
+        self.prefetch_share = prefetch_share
         self.landing = 0
         self.tasks: dict[int, PrefetchTask] = {}
+
+    @property
+    def landing_cap(self) -> int:
+        """Host pages prefetches may land in: the host pool less the write staging share (follows
+        the host pool the context holds now)."""
+        pages = self.ctx.host_pool.num_pages if self.ctx.has_host else 0
+        return pages - staging_capacity_pages(pages, self.prefetch_share)
 
     def start(self, data: bytes, salt: bytes, keys: Sequence[bytes], lo: int, hi: int,
               disk_end: int) -> PrefetchTask | None:

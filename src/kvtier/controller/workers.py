@@ -41,6 +41,11 @@ class IOWorkers:
         for thread in self._threads:
             thread.start()
 
+    @property
+    def host_pool(self) -> Any:
+        """The ``HostPool`` whose pages the jobs read and write (read-only)."""
+        return self._host.pool
+
     def submit(self, job: Job) -> bool:
         """Queue ``job``; False (counted, nothing queued) when the queues are full or closing."""
         with self._cond:

@@ -175,6 +175,16 @@ class CopyEngine:
             self._configs[direction]) for direction in ("load", "store")}, ""
 
     @property
+    def device_pool(self) -> Any:
+        """The ``DevicePool`` this engine copies to and from (read-only)."""
+        return self._device_pool
+
+    @property
+    def host_pool(self) -> Any:
+        """The ``HostPool`` this engine copies to and from (read-only)."""
+        return self._host_pool
+
+    @property
     def path(self) -> str:
         return "copy_engine" if self._staged else "kernel"
 

@@ -38,7 +38,7 @@ def open_tier_store(config: KvtierConfig, layout: Any, tier: str, url: str,
                     max_bytes: int | None = None) -> Any:
     """Open ``url`` for ``tier``: the config's defaults for that tier, then the URL's query,
     then ``max_bytes``. Raises ``Unsupported`` for a scheme the tier does not take."""
-    from kvtier.cache import _open_stores
+    from kvtier.controller.wiring import open_stores
     from kvtier.store import open_store
 
     if tier not in TIER_SCHEMES:
@@ -58,7 +58,7 @@ def open_tier_store(config: KvtierConfig, layout: Any, tier: str, url: str,
     if max_bytes is not None:
         fields["disk_max_bytes"] = max_bytes
     tier_config = dataclasses.replace(config, store=dataclasses.replace(config.store, **fields))
-    return _open_stores(tier_config, layout)[tier]
+    return open_stores(tier_config, layout)[tier]
 
 
 def redact_store_url(url: str) -> str:

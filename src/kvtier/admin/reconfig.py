@@ -28,9 +28,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvtier.config import KvtierConfig
-from kvtier.controller.bindings import ABSENT, BindingTable, Reader
-from kvtier.controller.reconfig_support import (
+from kvtier.admin.bindings import ABSENT, BindingTable, Reader
+from kvtier.admin.reconfig_support import (
     STORE_TIERS,
     Busy,
     NotAttached,
@@ -41,6 +40,8 @@ from kvtier.controller.reconfig_support import (
     redact_store_url,
     usage_and_health,
 )
+from kvtier.config import KvtierConfig
+from kvtier.controller.wiring import bind_store
 from kvtier.index.residency import TIER_INDEX
 
 __all__ = ["Busy", "NotAttached", "StorageAdmin", "Unsupported"]
@@ -81,15 +82,16 @@ class StorageAdmin:
         ctx, add = self.ctx, self.table.register
         add(Reader("controller", "device_pool", lambda: ctx.device_pool))
         add(Reader("index", "device_pool", lambda: self._allocator("device"), "allocator"))
-        add(Reader("copy_engine", "device_pool", lambda: _held(ctx.copy, "_device_pool")))
+        add(Reader("copy_engine", "device_pool",
+                   lambda: ABSENT if ctx.copy is None else ctx.copy.device_pool))
         if engine_holds is not None:
             add(Reader("engine", "device_pool", engine_holds, "kv"))
         add(Reader("controller", "host_pool", lambda: ctx.host_pool))
         add(Reader("index", "host_pool", lambda: self._allocator("host"), "allocator"))
         add(Reader("copy_engine", "host_pool",
-                   lambda: None if ctx.copy is None else _held(ctx.copy, "_host_pool")))
-        add(Reader("io_workers", "host_pool", lambda: ABSENT if ctx.workers is None
-                   else _held(getattr(ctx.workers, "_host", None), "pool")))
+                   lambda: None if ctx.copy is None else ctx.copy.host_pool))
+        add(Reader("io_workers", "host_pool",
+                   lambda: ABSENT if ctx.workers is None else ctx.workers.host_pool))
         for tier in STORE_TIERS:
             slot = self.slot(tier)
             add(Reader("controller", slot, lambda t=tier: ctx.stores.get(t)))
@@ -149,10 +151,9 @@ class StorageAdmin:
             store.close()
 
         binding = self.table.swap(self.slot(tier), store, [
-            self._ensure_workers,
             lambda: self._reset_marks(tier, store),
             lambda: self.controller.backups.in_flight.setdefault(tier, set()),
-            lambda: self.ctx.stores.__setitem__(tier, store),
+            lambda: bind_store(self.ctx, tier, store, self.config),
         ], disable, detail=shown)
         self.urls[tier] = shown
         return {"tier": tier, "attached": shown, "generation": binding.generation}
@@ -227,19 +228,6 @@ class StorageAdmin:
             raise NotAttached(f"no store is attached to the {tier} tier")
         return store
 
-    def _ensure_workers(self) -> None:
-        ctx = self.ctx
-        if ctx.workers is None:
-            from kvtier.controller.workers import IOWorkers
-
-            ctrl = self.config.controller
-            ctx.workers = IOWorkers(ctx.host_pool, ctrl.io_workers, ctrl.io_queue_depth)
-        if ctx.admission is None:
-            from kvtier.memory import WriteAdmission
-
-            ctx.admission = WriteAdmission.for_host_pool(ctx.host_pool.num_pages,
-                                                         self.config.host.prefetch_share)
-
     def _reset_marks(self, tier: str, owner: Any) -> None:
         """Forget what the index believes ``tier`` holds; the marks now describe ``owner``."""
         self.ctx.index.clear(tier)
@@ -273,6 +261,3 @@ class StorageAdmin:
         self.controller.poll()
         return len(live)
 
-
-def _held(holder: Any, attribute: str) -> Any:
-    return ABSENT if holder is None else getattr(holder, attribute, ABSENT)

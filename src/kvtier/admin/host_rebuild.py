@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtier.controller.bindings import Later, check_host_shape
-from kvtier.controller.reconfig_support import STORE_TIERS, Busy, Unsupported
-from kvtier.index.residency import TIER_INDEX
+from kvtier.admin.bindings import Later, check_host_shape
+from kvtier.admin.reconfig_support import STORE_TIERS, Busy, Unsupported
+from kvtier.controller.wiring import bind_host_pool
 
 
 def rebuild_host_pool(admin: Any, *, pool_bytes: int | None = None,
@@ -56,7 +56,7 @@ def rebuild_host_pool(admin: Any, *, pool_bytes: int | None = None,
 
     binding = admin.table.swap(
         "host_pool", Later(lambda: (box["pool"], {"allocator": box["pool"].allocator})),
-        [build, lambda: _point_readers(admin, box["pool"]), lambda: _close(old)],
+        [build, lambda: bind_host_pool(admin.ctx, box["pool"], admin.config), lambda: _close(old)],
         lambda: _disable_host(admin, box.get("pool")),
         detail="rebuilt")
     pool = box["pool"]
@@ -94,28 +94,6 @@ def _new_pool(old: Any, pages: int, budget: Any) -> Any:
     return HostPool(old.layout, pages, budget, host_layout=old.host_layout)
 
 
-def _point_readers(admin: Any, pool: Any) -> None:
-    from kvtier.memory.admission import WriteAdmission, staging_capacity_pages
-    from kvtier.transfer import CopyEngine
-
-    ctx, config = admin.ctx, admin.config
-    share = config.host.prefetch_share
-    ctx.host_pool = pool
-    ctx.index.ledgers[TIER_INDEX["host"]].allocator = pool.allocator
-    ctx.copy = CopyEngine(ctx.device_pool, pool, path=config.host.copy_path,
-                          staging_bytes=config.host.copy_staging_bytes)
-    if ctx.workers is not None:
-        from kvtier.controller.workers import IOWorkers
-
-        ctx.workers.close()
-        ctx.workers = IOWorkers(pool, config.controller.io_workers, config.controller.io_queue_depth)
-    if ctx.admission is not None:
-        ctx.admission = WriteAdmission.for_host_pool(pool.num_pages, share)
-    prefetcher = admin.controller.prefetcher
-    prefetcher.landing_cap = pool.num_pages - staging_capacity_pages(pool.num_pages, share)
-    prefetcher.landing = 0
-
-
 def _close(pool: Any) -> None:
     if not pool.closed:
         pool.close()
@@ -124,17 +102,11 @@ def _close(pool: Any) -> None:
 def _disable_host(admin: Any, new_pool: Any) -> None:
     """Leave no reader holding any host pool, and unbind the stores (they need the host)."""
     ctx, table = admin.ctx, admin.table
-    if ctx.workers is not None:
-        ctx.workers.close()
-        ctx.workers = None
-    for pool in (ctx.host_pool, new_pool):
+    pools = (ctx.host_pool, new_pool)
+    bind_host_pool(ctx, None, admin.config)   # the IO workers stop before their pool closes
+    for pool in pools:
         if pool is not None:
             _close(pool)
-    ctx.host_pool = None
-    ctx.copy = None
-    ctx.admission = None
-    ctx.index.ledgers[TIER_INDEX["host"]].allocator = None
-    admin.controller.prefetcher.landing_cap = 0
     for tier in STORE_TIERS:
         store = ctx.stores.get(tier)
         if store is not None:
