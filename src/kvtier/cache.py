@@ -104,8 +104,9 @@ class TieredCache:
         return self.ctx.page_size
 
     def match(self, tokens: Any, salt: bytes | str | None = None) -> Hit:
-        """The prompt's cached prefix on every tier (agreed across ranks). Changes nothing."""
-        return self.controller.match(tokens, salt)
+        """The prompt's cached prefix on every tier (agreed across ranks). Changes nothing; the
+        hit carries this walk of the index, which ``load`` reuses while the index is unchanged."""
+        return self.controller.lookup.match(tokens, salt)
 
     def prefetch(self, hit: Hit, *, recompute_tokens: int = 0) -> None:
         """Optional: start landing the store part of ``hit`` (past ``recompute_tokens``) now,
@@ -116,7 +117,8 @@ class TieredCache:
         """Bring the hit (past ``recompute_tokens``) to device pages and pin them. With
         ``overlap`` a copy from the host tier may still be in flight on return: read layer ``l``
         only after ``loaded.ticket.stream_wait(layer=l)`` (``loaded.ticket`` None: landed)."""
-        return self.controller.load(hit, recompute_tokens, overlap=overlap)
+        self.controller.poll()
+        return self.controller.loader.load(hit, recompute_tokens, overlap=overlap)
 
     def plan_split(self, hit: Hit) -> int:
         """Tokens at the head of the hit to recompute rather than load (planner cost model)."""

@@ -80,8 +80,8 @@ class Backups:
             ctx.count(f"backup_refused_total.{tier}")
             self._defer(data, salt, keys)
             return
-        host_node = ctx.lock(data, salt, lo + n, "host")
-        host_ids = ctx.index.match(data, salt).ids("host", lo, lo + n)
+        host_node, match = ctx.lock_on(match, lo + n, "host")
+        host_ids = match.ids("host", lo, lo + n)
         job = BackupJob(tier, ctx.stores[tier], [bytes(k) for k in keys[lo:lo + n]], host_ids,
                         ctx.config.job_deadline_s)
         if not ctx.workers.submit(job):

@@ -85,6 +85,14 @@ class CacheContext:
         self.index.lock(node, tier)
         return node
 
+    def lock_on(self, match: IndexMatch, pages: int, tier: str) -> tuple[Node | None, IndexMatch]:
+        """``lock`` over a walk already made; also returns the match as it stands after the
+        lock (a boundary split changes the path, not what it matched)."""
+        node, match = self.index.cut(match, pages)
+        if node is not None:
+            self.index.lock(node, tier)
+        return node, match
+
     def unlock(self, node: Node | None, tier: str) -> None:
         if node is not None:
             self.index.unlock(node, tier)

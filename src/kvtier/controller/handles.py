@@ -30,6 +30,9 @@ class Hit:
     _reach: tuple[int, int, int, int] = (0, 0, 0, 0)       # agreed pages per tier, cumulative
     _store_ends: tuple[int, int] = (0, 0)                   # local: disk end, remote end (pages)
     _prefetch: Any = field(default=None, repr=False)        # an early prefetch (PrefetchTask)
+    #: This rank's walk of the index behind the hit (``IndexMatch``); ``load`` reuses it while
+    #: the index has not changed since, so a request walks the tree once.
+    _match: Any = field(default=None, repr=False)
 
     @property
     def pages(self) -> int:

@@ -47,7 +47,8 @@ class Lookup:
         device_ids = match.ids("device", 0, agreed[0]) if match is not None and agreed[0] else []
         self._count(agreed)
         return Hit(agreed[3] * self.ctx.page_size, by_tier, device_ids, key, self.ctx.page_size,
-                   len(data) // 4, data, (agreed[0], agreed[1], agreed[2], agreed[3]), store_ends)
+                   len(data) // 4, data, (agreed[0], agreed[1], agreed[2], agreed[3]), store_ends,
+                   _match=match)
 
     def _local(self, data: bytes, salt: bytes) -> tuple[tuple[int, ...], tuple[int, int],
                                                         IndexMatch]:

@@ -25,6 +25,7 @@ Single-threaded: the engine thread owns it. No torch.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from kvtier.errors import PoolExhausted
@@ -94,7 +95,7 @@ class RadixIndex(Tree):
         for t in range(len(TIERS)):
             if mask >> t & 1:
                 depth[t] = pos
-        return IndexMatch(key, self.page_size, data, pos, tuple(depth), tuple(path))
+        return IndexMatch(key, self.page_size, data, pos, tuple(depth), tuple(path), self.version)
 
     def _common_pages(self, node: Node, data: bytes, pos: int, limit: int) -> int:
         """Leading pages of ``node`` equal to the prompt's pages from ``pos`` (first page known)."""
@@ -155,19 +156,39 @@ class RadixIndex(Tree):
             raise ValueError(f"{len(ids)} ids for {stop - start} pages")
         if keys is not None and len(keys) < stop:
             raise ValueError(f"{len(keys)} keys for {stop} pages")
+    def current(self, match: IndexMatch) -> IndexMatch:
+        """``match`` itself while the index has not changed since that walk, else a new walk."""
+        if match.version == self.version:
+            return match
+        return self.match(match.data, match.salt)
+
     def boundary(self, tokens: Any, pages: int, salt: bytes | str | None = None) -> Node | None:
         """The node ending exactly after prefix page ``pages`` (splitting one if needed)."""
         if pages == 0:
             return None
-        match = self.match(tokens, salt)
+        return self.cut(self.match(tokens, salt), pages)[0]
+
+    def cut(self, match: IndexMatch, pages: int) -> tuple[Node | None, IndexMatch]:
+        """``boundary`` over a walk already made: the node ending after prefix page ``pages``
+        of ``match`` (split off if needed), and the match as it stands after that split."""
+        if pages == 0:
+            return None, match
+        match = self.current(match)
         if match.pages < pages:
             raise ValueError(f"only {match.pages} pages are indexed, asked for {pages}")
         pos = 0
-        for node, _used in match.path:
+        for i, (node, used) in enumerate(match.path):
             if pos + node.pages >= pages:
-                return node if pos + node.pages == pages else self.split(node, pages - pos)
+                if pos + node.pages == pages:
+                    return node, match
+                head_pages = pages - pos
+                head = self.split(node, head_pages)
+                tail = ((node, used - head_pages),) if used > head_pages else ()
+                path = match.path[:i] + ((head, head_pages),) + tail + match.path[i + 1:]
+                return head, replace(match, path=path, version=self.version)
             pos += node.pages
         raise AssertionError("unreachable: match covered the pages")
+
     def evict(self, tier: str, pages: int, *, use_hook: bool = True) -> int:
         """Free at least ``pages`` pages of ``tier`` by evicting whole leaves in policy order.
 
