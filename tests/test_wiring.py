@@ -1,4 +1,5 @@
-"""One wiring for building and for live changes: a rebuilt host pool is wired as a fresh build."""
+"""One wiring for building and for live changes, and the layering it keeps (admin above the
+facade, benchmark tooling and CLI commands outside the runtime)."""
 
 from __future__ import annotations
 
@@ -73,4 +74,16 @@ def test_no_layer_below_admin_imports_it_and_none_reaches_into_the_facade_privat
                 offenders.append(f"{rel} imports {module}")
             if module == "kvtier.cache" and any(n.startswith("_") for n in names):
                 offenders.append(f"{rel} imports private {names} from kvtier.cache")
+    assert offenders == []
+
+
+def test_the_runtime_imports_no_benchmark_tooling_and_no_cli_command() -> None:
+    offenders = []
+    for path in SRC.rglob("*.py"):
+        rel = path.relative_to(SRC).as_posix()
+        for module, _ in _imports(path):
+            if module.startswith("kvtier.bench") and not rel.startswith(("bench/", "commands/")):
+                offenders.append(f"{rel} imports {module}")
+            if module.startswith("kvtier.commands") and not rel.startswith(("commands/", "cli.py")):
+                offenders.append(f"{rel} imports {module}")
     assert offenders == []
