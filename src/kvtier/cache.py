@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.config import KvtierConfig
 from kvtier.controller.context import CacheContext
@@ -42,6 +42,10 @@ from kvtier.keys import KeyNamespace
 from kvtier.layout import KVLayout
 from kvtier.store.base import PageStore
 
+if TYPE_CHECKING:
+    from kvtier.memory.device_pool import DevicePool
+    from kvtier.memory.pinned import PinnedBudget
+
 __all__ = ["Hit", "Loaded", "TieredCache"]
 
 CPU_DEVICE_POOL_CAP_BYTES = 1 << 30
@@ -50,7 +54,8 @@ CPU_DEVICE_POOL_CAP_BYTES = 1 << 30
 class TieredCache:
     """See the module docstring. Build with ``TieredCache.build``."""
 
-    def __init__(self, ctx: CacheContext, controller: CacheController, pinned_budget: Any = None) -> None:
+    def __init__(self, ctx: CacheContext, controller: CacheController,
+                 pinned_budget: PinnedBudget | None = None) -> None:
         self.ctx = ctx
         self.controller = controller
         self.pinned_budget = pinned_budget
@@ -95,7 +100,7 @@ class TieredCache:
 
     # ---- what the engine uses ----------------------------------------------------------------
     @property
-    def device_pool(self) -> Any:
+    def device_pool(self) -> DevicePool:
         """The ``DevicePool``: ``.kv`` is ``[layers, parts, pages, page_size, kv_heads, head_dim]``."""
         return self.ctx.device_pool
 
@@ -196,7 +201,8 @@ def _check_page_sizes(config: KvtierConfig, layout: KVLayout, namespace: KeyName
                           f"({namespace.page_size}) page size")
 
 
-def _device_pool(pool_cls: Any, config: KvtierConfig, layout: KVLayout, device: str) -> Any:
+def _device_pool(pool_cls: type[DevicePool], config: KvtierConfig, layout: KVLayout,
+                 device: str) -> DevicePool:
     pages = config.cache.device_pages
     if pages:
         return pool_cls(layout, pages, device)

@@ -93,11 +93,14 @@ class StorageAdmin:
         add(Reader("io_workers", "host_pool",
                    lambda: ABSENT if ctx.workers is None else ctx.workers.host_pool))
         for tier in STORE_TIERS:
-            slot = self.slot(tier)
-            add(Reader("controller", slot, lambda t=tier: ctx.stores.get(t)))
-            add(Reader("io_jobs", slot, lambda t=tier: self._live_job_store(t)))
-            add(Reader("index", slot, lambda t=tier: self._marks.get(t)
-                       if self.ctx.index.sizes(t).resident else ABSENT))
+            self._register_store_readers(tier)
+
+    def _register_store_readers(self, tier: str) -> None:
+        ctx, slot, add = self.ctx, self.slot(tier), self.table.register
+        add(Reader("controller", slot, lambda: ctx.stores.get(tier)))
+        add(Reader("io_jobs", slot, lambda: self._live_job_store(tier)))
+        add(Reader("index", slot, lambda: self._marks.get(tier)
+                   if ctx.index.sizes(tier).resident else ABSENT))
 
     @staticmethod
     def slot(tier: str) -> str:

@@ -194,7 +194,7 @@ class CacheController:
         ctx = self.ctx
         ctx.index.check_integrity(self.outstanding())
         ctx.device_pool.allocator.check_integrity()
-        if ctx.has_host:
+        if ctx.host_pool is not None and ctx.has_host:
             ctx.host_pool.allocator.check_integrity()
         owners = {id(x): x for x in self.private_owner.values()}.values()
         if len(self.private_owner) != sum(len(x._private) for x in owners):

@@ -18,9 +18,12 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.store.base import PageStore
+
+if TYPE_CHECKING:
+    from kvtier.memory.host_pool import HostPool
 
 LOAD, STORE = 0, 1  # priorities: loads (prefetch) are served before stores (backup)
 OUTCOMES = ("completed", "partial", "failed", "cancelled", "expired", "error")
@@ -30,7 +33,7 @@ _ids = itertools.count(1)
 class HostPages:
     """How a job reaches host pages: a direct view (page_first) or staging copies (layer_first)."""
 
-    def __init__(self, host_pool: Any) -> None:
+    def __init__(self, host_pool: HostPool) -> None:
         self.pool = host_pool
         self.direct = host_pool.host_layout == "page_first"
 
@@ -198,8 +201,8 @@ class BackupJob(Job):
             if todo:
                 written = self.store.write([keys[i] for i in todo],
                                            host.read_out([ids[i] for i in todo]))
-                for i, ok in zip(todo, written, strict=True):
-                    done[i] = ok
+                for i, stored in zip(todo, written, strict=True):
+                    done[i] = stored
             ok = _leading_true(done)
             self.written = lo + ok
             if ok < len(keys):

@@ -150,11 +150,13 @@ class LoadBack:
         host_end = min(plan.host, end)
         sources = match.ids("host", plan.begin, host_end) if host_end > plan.begin else []
         sources += plan.landed_ids[:max(0, end - plan.store_lo)]
-        if plan.overlap and not plan.landed_ids and ctx.copy.asynchronous:
-            plan.ticket = ctx.copy.load_layerwise(sources, device_ids)
+        copy = ctx.copy
+        assert copy is not None, "a load from the host tier without a copy engine"
+        if plan.overlap and not plan.landed_ids and copy.asynchronous:
+            plan.ticket = copy.load_layerwise(sources, device_ids)
         else:
             started = time.monotonic()
-            ctx.copy.load(sources, device_ids).wait(None)
+            copy.load(sources, device_ids).wait(None)
             if ctx.rates is not None:
                 ctx.rates.observe("host", len(device_ids) * ctx.device_pool.layout.page_bytes,
                                   time.monotonic() - started)

@@ -19,6 +19,7 @@ from kvtier.controller.handles import TIER_ORDER, Hit
 from kvtier.controller.ranks import RankAgreement
 from kvtier.index.match import IndexMatch
 from kvtier.index.radix import as_token_bytes, salt_bytes
+from kvtier.keys import PageKey
 
 
 class Lookup:
@@ -68,7 +69,7 @@ class Lookup:
                 remote_end = start + self._probe("remote", keys[start:])
         return (device, fast, disk_end, max(disk_end, remote_end)), (disk_end, remote_end), match
 
-    def _probe(self, tier: str, keys: list) -> int:
+    def _probe(self, tier: str, keys: list[PageKey]) -> int:
         if not keys:
             return 0
         try:

@@ -17,7 +17,7 @@ Engine thread only (building, or a change with the engine idle).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlsplit
 
 from kvtier.config import KvtierConfig
@@ -27,8 +27,11 @@ from kvtier.index.residency import TIER_INDEX
 from kvtier.layout import KVLayout
 from kvtier.store.base import PageStore
 
+if TYPE_CHECKING:
+    from kvtier.memory.host_pool import HostPool
 
-def bind_host_pool(ctx: CacheContext, pool: Any, config: KvtierConfig) -> None:
+
+def bind_host_pool(ctx: CacheContext, pool: HostPool | None, config: KvtierConfig) -> None:
     """Point the context, the index, the copy engine, the IO workers and the write admission at
     ``pool`` (or turn all of them off with None)."""
     from kvtier.controller.workers import IOWorkers

@@ -115,6 +115,7 @@ class HostWriter:
             return 0
         match = ctx.index.current(match)  # making room may have evicted host pages
         device_ids = match.ids("device", lo, lo + len(host_ids))
+        assert ctx.copy is not None, "a host copy without a copy engine"
         ticket = ctx.copy.store(device_ids, host_ids)
         ctx.host_outside += len(host_ids)
         ctx.count("host_copy_pages_total", len(host_ids))

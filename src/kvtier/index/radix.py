@@ -26,13 +26,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 from kvtier.errors import PoolExhausted
 from kvtier.index.insert import InsertWalk
 from kvtier.index.integrity import check_index
 from kvtier.index.match import IndexMatch, InsertResult
-from kvtier.index.residency import TIERS, Node, TierLedger, TierSizes, tier_index
+from kvtier.index.residency import TIERS, Allocator, Node, TierLedger, TierSizes, tier_index
 from kvtier.index.tree import EvictHook, Tree
 from kvtier.keys import token_bytes
 
@@ -201,7 +201,7 @@ class RadixIndex(Tree):
             return 0
         freed = 0
         while freed < pages:
-            victim = ledger.policy.pop_victim()
+            victim = cast("Node | None", ledger.policy.pop_victim())
             if victim is None:
                 raise AssertionError(f"{tier}: policy empty with {ledger.evictable} evictable")
             if use_hook and self.on_evict is not None:
@@ -214,22 +214,26 @@ class RadixIndex(Tree):
         return self.evict(tier, self.ledgers[tier_index(tier)].evictable, use_hook=False)
     # ---- page ids ----------------------------------------------------------------------------
     def can_allocate(self, tier: str, n: int) -> bool:
-        ledger = self.ledgers[tier_index(tier)]
-        if ledger.allocator is None:
-            raise ValueError(f"tier {tier} has no page ids")
-        return ledger.allocator.num_free + ledger.evictable >= n
+        ledger, allocator = self._with_ids(tier)
+        return allocator.num_free + ledger.evictable >= n
 
     def allocate(self, tier: str, n: int) -> list[int]:
         """``n`` page ids of ``tier``, evicting as needed; PoolExhausted (nothing evicted) if
         even evicting everything evictable would not make room."""
-        ledger = self.ledgers[tier_index(tier)]
-        if not self.can_allocate(tier, n):
-            raise PoolExhausted(f"{tier}: {n} pages asked, {ledger.allocator.num_free} free, "
+        ledger, allocator = self._with_ids(tier)
+        if allocator.num_free + ledger.evictable < n:
+            raise PoolExhausted(f"{tier}: {n} pages asked, {allocator.num_free} free, "
                                 f"{ledger.evictable} evictable")
-        short = n - ledger.allocator.num_free
+        short = n - allocator.num_free
         if short > 0:
             self.evict(tier, short)
-        return ledger.allocator.allocate(n)
+        return allocator.allocate(n)
+
+    def _with_ids(self, tier: str) -> tuple[TierLedger, Allocator]:
+        ledger = self.ledgers[tier_index(tier)]
+        if ledger.allocator is None:
+            raise ValueError(f"tier {tier} has no page ids")
+        return ledger, ledger.allocator
 
     def free(self, tier: str, ids: Sequence[int]) -> None:
         """Return ids the index never took (unused ids of an insert, say) to the tier's pool."""

@@ -165,7 +165,7 @@ def _register(ptr: int, nbytes: int) -> bool:
     import torch
 
     try:
-        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)  # type: ignore[no-untyped-call]
     except (AttributeError, AssertionError, RuntimeError):
         return False
     return int(err) == 0
@@ -174,7 +174,7 @@ def _register(ptr: int, nbytes: int) -> bool:
 def _unregister(ptr: int) -> None:
     import torch
 
-    err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+    err = int(torch.cuda.cudart().cudaHostUnregister(ptr))  # type: ignore[no-untyped-call]
     if err != 0:
         raise CapacityError(f"cudaHostUnregister failed with CUDA error {err}")
 
