@@ -10,7 +10,7 @@ import pytest
 
 from cache_support import LAYOUT, P, make_cache
 from kvtier.admin.host_rebuild import rebuild_host_pool
-from kvtier.admin.reconfig import StorageAdmin
+from kvtier.admin.reconfig import StorageAdmin, Unsupported
 from kvtier.config import build_config
 from kvtier.controller.wiring import bind_store
 from kvtier.errors import ConfigError
@@ -87,3 +87,13 @@ def test_the_runtime_imports_no_benchmark_tooling_and_no_cli_command() -> None:
             if module.startswith("kvtier.commands") and not rel.startswith(("commands/", "cli.py")):
                 offenders.append(f"{rel} imports {module}")
     assert offenders == []
+
+
+def test_a_host_rebuild_without_a_pinned_budget_is_refused_and_changes_nothing() -> None:
+    with make_cache(host_pages=16) as cache:
+        admin = StorageAdmin(cache, CONFIG)
+        pool, cache.pinned_budget = cache.ctx.host_pool, None
+        with pytest.raises(Unsupported, match="pinned budget"):
+            rebuild_host_pool(admin, pool_bytes=8 * LAYOUT.page_bytes)
+        assert cache.ctx.host_pool is pool and not pool.closed
+        admin.table.assert_coherent()

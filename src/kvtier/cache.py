@@ -58,7 +58,7 @@ class TieredCache:
                  pinned_budget: PinnedBudget | None = None) -> None:
         self.ctx = ctx
         self.controller = controller
-        self.pinned_budget = pinned_budget
+        self.pinned_budget: PinnedBudget | None = pinned_budget
         self._closed = False
 
     # ---- construction ----------------------------------------------------------------------

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.admin.bindings import ABSENT, BindingTable, Reader
 from kvtier.admin.reconfig_support import (
@@ -41,8 +41,13 @@ from kvtier.admin.reconfig_support import (
     usage_and_health,
 )
 from kvtier.config import KvtierConfig
+from kvtier.controller.jobs import Job
 from kvtier.controller.wiring import bind_store
-from kvtier.index.residency import TIER_INDEX
+from kvtier.index.residency import TIER_INDEX, Allocator
+from kvtier.store.base import PageStore
+
+if TYPE_CHECKING:
+    from kvtier.cache import TieredCache
 
 __all__ = ["Busy", "NotAttached", "StorageAdmin", "Unsupported"]
 
@@ -50,7 +55,7 @@ __all__ = ["Busy", "NotAttached", "StorageAdmin", "Unsupported"]
 class StorageAdmin:
     """See the module docstring."""
 
-    def __init__(self, cache: Any, config: KvtierConfig, *,
+    def __init__(self, cache: TieredCache, config: KvtierConfig, *,
                  engine_holds: Callable[[], Any] | None = None) -> None:
         self.cache = cache
         self.ctx = cache.ctx
@@ -58,7 +63,7 @@ class StorageAdmin:
         self.config = config
         self.table = BindingTable()
         self.urls: dict[str, str] = {}
-        self._marks: dict[str, Any] = {}     # store tier -> the store the index's marks describe
+        self._marks: dict[str, PageStore | None] = {}  # tier -> the store the index's marks describe
         self._bind_initial()
         self._register_readers(engine_holds)
         self.table.assert_coherent()
@@ -106,17 +111,17 @@ class StorageAdmin:
     def slot(tier: str) -> str:
         return f"store.{tier}"
 
-    def _allocator(self, tier: str) -> Any:
+    def _allocator(self, tier: str) -> Allocator | None:
         return self.ctx.index.ledgers[TIER_INDEX[tier]].allocator
 
-    def _live_job_store(self, tier: str) -> Any:
+    def _live_job_store(self, tier: str) -> object:
         """The store a queued or running IO job of ``tier`` uses (ABSENT: no such job)."""
         for task in list(self.controller.backups.tasks.values()):
             if task.job.tier == tier and not task.job.is_done():
                 return task.job.store
-        for task in list(self.controller.prefetcher.tasks.values()):
-            if not task.job.is_done():
-                for segment in task.job.segments:
+        for prefetch in list(self.controller.prefetcher.tasks.values()):
+            if not prefetch.job.is_done():
+                for segment in prefetch.job.segments:
                     if segment.tier == tier:
                         return segment.store
         return ABSENT
@@ -184,14 +189,15 @@ class StorageAdmin:
 
     def clear(self, tier: str, wait_s: float | None = None) -> dict[str, Any]:
         store = self._attached(tier)
-        if not callable(getattr(store, "clear", None)):
+        clear = getattr(store, "clear", None)
+        if not callable(clear):
             raise Unsupported(f"the {store.scheme} backend of the {tier} tier cannot be cleared "
                               "from kvtier (a shared server may hold other users' keys); expire "
                               "or delete its keys on the server")
         with self._paused(tier, store, restore_on_success=True):
             cancelled = self._quiesce(tier, wait_s)
             before = store.stats().pages
-            store.clear()
+            clear()
             self._reset_marks(tier, store)
         self.table.assert_coherent(self.slot(tier))
         return {"tier": tier, "pages_before": before, "pages_after": store.stats().pages,
@@ -200,7 +206,7 @@ class StorageAdmin:
     def flush(self) -> dict[str, Any]:
         return {"dropped_pages": self.cache.flush()}
 
-    def store_to_resize(self, tier: str) -> Any:
+    def store_to_resize(self, tier: str) -> PageStore:
         """The attached store of ``tier`` (engine thread); ``resize`` then runs anywhere."""
         store = self._attached(tier)
         if not callable(getattr(store, "resize", None)):
@@ -224,14 +230,14 @@ class StorageAdmin:
         if tier not in STORE_TIERS:
             raise Unsupported(f"tier must be one of {', '.join(STORE_TIERS)}, got {tier!r}")
 
-    def _attached(self, tier: str) -> Any:
+    def _attached(self, tier: str) -> PageStore:
         self._check_tier(tier)
         store = self.ctx.stores.get(tier)
         if store is None:
             raise NotAttached(f"no store is attached to the {tier} tier")
         return store
 
-    def _reset_marks(self, tier: str, owner: Any) -> None:
+    def _reset_marks(self, tier: str, owner: PageStore | None) -> None:
         """Forget what the index believes ``tier`` holds; the marks now describe ``owner``."""
         self.ctx.index.clear(tier)
         self._marks[tier] = owner
@@ -242,12 +248,13 @@ class StorageAdmin:
         self.ctx.index.clear(tier)
         self._marks[tier] = None
 
-    def _paused(self, tier: str, store: Any, *, restore_on_success: bool) -> Paused:
+    def _paused(self, tier: str, store: PageStore, *, restore_on_success: bool) -> Paused:
         return Paused(self.ctx.stores, tier, store, restore_on_success)
 
     def _quiesce(self, tier: str, wait_s: float | None) -> int:
         """Cancel the IO jobs using ``tier`` and wait until none runs; returns jobs cancelled."""
-        jobs = [t.job for t in self.controller.backups.tasks.values() if t.job.tier == tier]
+        jobs: list[Job] = [t.job for t in self.controller.backups.tasks.values()
+                           if t.job.tier == tier]
         jobs += [t.job for t in self.controller.prefetcher.tasks.values()
                  if any(s.tier == tier for s in t.job.segments)]
         live = [job for job in jobs if not job.is_done()]

@@ -21,7 +21,7 @@ import itertools
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeGuard
+from typing import TypeGuard
 
 from kvtier.controller.context import CacheContext
 from kvtier.controller.jobs import BackupJob
@@ -38,7 +38,7 @@ class BackupTask:
     salt: bytes
     keys: Sequence[bytes]
     lo: int
-    op_id: Any
+    op_id: tuple[str, str, int]
     host_node: Node | None
 
 

@@ -21,6 +21,7 @@ from typing import Any
 from kvtier.controller.backups import Backups
 from kvtier.controller.context import CacheContext
 from kvtier.controller.handles import Hit, Loaded
+from kvtier.controller.jobs import PrefetchJob
 from kvtier.controller.loadback import LoadBack
 from kvtier.controller.lookup import Lookup
 from kvtier.controller.prefetch import Prefetcher
@@ -156,7 +157,7 @@ class CacheController:
                 self.backups.reap(job)
         self.backups.retry_deferred()
 
-    def _observe_job(self, kind: str, job: Any) -> None:
+    def _observe_job(self, kind: str, job: PrefetchJob) -> None:
         if job.landed and job.segments and job.finished_at > job.started:
             tier = job.segments[0].tier
             self.rates.observe(tier, job.landed * self.ctx.device_pool.layout.page_bytes,

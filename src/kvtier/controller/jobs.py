@@ -18,11 +18,13 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvtier.store.base import PageStore
 
 if TYPE_CHECKING:
+    import torch
+
     from kvtier.memory.host_pool import HostPool
 
 LOAD, STORE = 0, 1  # priorities: loads (prefetch) are served before stores (backup)
@@ -37,20 +39,20 @@ class HostPages:
         self.pool = host_pool
         self.direct = host_pool.host_layout == "page_first"
 
-    def buffers(self, ids: Sequence[int]) -> list[Any]:
+    def buffers(self, ids: Sequence[int]) -> list[torch.Tensor]:
         if self.direct:
             return [self.pool.page(h) for h in ids]
         import torch
 
         return [torch.empty(self.pool.page_bytes, dtype=torch.uint8) for _ in ids]
 
-    def fill_from(self, ids: Sequence[int], buffers: Sequence[Any]) -> None:
+    def fill_from(self, ids: Sequence[int], buffers: Sequence[torch.Tensor]) -> None:
         """After a read into staging buffers: copy them into the (layer_first) pool."""
         if not self.direct:
             for h, buf in zip(ids, buffers, strict=True):
                 self.pool.copy_page_in(h, buf)
 
-    def read_out(self, ids: Sequence[int]) -> list[Any]:
+    def read_out(self, ids: Sequence[int]) -> list[torch.Tensor]:
         """Buffers holding pages ``ids`` in canonical order, for a store write."""
         if self.direct:
             return [self.pool.page(h) for h in ids]

@@ -28,8 +28,9 @@ to the next collective (and is counted), so every rank always makes both calls (
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
 
 from kvtier.controller.context import CacheContext
 from kvtier.controller.handles import Hit, Loaded
@@ -40,6 +41,11 @@ from kvtier.errors import PoolExhausted
 from kvtier.index.match import IndexMatch
 from kvtier.index.residency import Node
 from kvtier.keys import PageKey
+
+if TYPE_CHECKING:
+    from kvtier.transfer.copy_engine import Ticket
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -58,7 +64,7 @@ class LoadPlan:
     landed_ids: list[int] = field(default_factory=list)
     available: int = 0            # pages this rank could put on device
     overlap: bool = False         # copy layer by layer and leave it in flight (host pages only)
-    ticket: Any = None            # the copy left in flight
+    ticket: Ticket | None = None  # the copy left in flight
     match: IndexMatch | None = None   # the latest walk (reused while the index is unchanged)
     device_lock: Node | None = None
     host_lock: Node | None = None
@@ -78,9 +84,9 @@ class LoadBack:
 
     def load(self, hit: Hit, recompute_tokens: int = 0, *, overlap: bool = False) -> Loaded:
         plan = LoadPlan(hit._data, hit.salt, overlap=overlap)
-        ok = self._guard(self._prepare, plan, hit, recompute_tokens)
+        ok = self._guard(lambda: self._prepare(plan, hit, recompute_tokens))
         agreed = self.ranks.agree(plan.available if ok else 0)
-        result = self._guard(self._to_device, plan, agreed) if ok else None
+        result = self._guard(lambda: self._to_device(plan, agreed)) if ok else None
         end, private = result if result else (0, [])
         final = self.ranks.agree(end)
         loaded = self._finish(hit, plan, min(final, end), private)
@@ -88,16 +94,15 @@ class LoadBack:
             self.private_owner[page_id] = loaded
         return loaded
 
-    def _guard(self, step: Any, *args: Any) -> Any:
+    def _guard(self, step: Callable[[], T]) -> T | None:
         try:
-            out = step(*args)
-            return True if out is None else out
+            return step()
         except Exception:
             self.ctx.count("load_errors_total")
             return None
 
     # ---- step 1 and 2 --------------------------------------------------------------------
-    def _prepare(self, plan: LoadPlan, hit: Hit, recompute_tokens: int) -> None:
+    def _prepare(self, plan: LoadPlan, hit: Hit, recompute_tokens: int) -> bool:
         ctx = self.ctx
         match = (ctx.index.match(plan.data, plan.salt) if hit._match is None
                  else ctx.index.current(hit._match))
@@ -117,6 +122,7 @@ class LoadBack:
         if hit.reach("remote") > hit.reach("host") and plan.store_lo < store_hi \
                 and ctx.workers is not None:
             self._prefetch(plan, hit, store_hi)
+        return True
 
     def _prefetch(self, plan: LoadPlan, hit: Hit, store_hi: int) -> None:
         task, hit._prefetch = getattr(hit, "_prefetch", None), None

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvtier.controller.backups import Backups
 from kvtier.controller.context import CacheContext, path_of, split_keys
@@ -31,6 +31,9 @@ from kvtier.index.eviction import AdmissionPolicy, AdmitAll, AdmitOnSecondHit
 from kvtier.index.match import IndexMatch
 from kvtier.index.residency import TIER_INDEX, Node
 
+if TYPE_CHECKING:
+    from kvtier.transfer.copy_engine import Ticket
+
 HOST = TIER_INDEX["host"]
 
 
@@ -38,7 +41,7 @@ HOST = TIER_INDEX["host"]
 class HostCopy:
     """A device -> host copy in flight."""
 
-    ticket: Any
+    ticket: Ticket
     data: bytes
     salt: bytes
     keys: Sequence[bytes]
