@@ -40,8 +40,17 @@ $(VENV_SGLANG)/.installed: scripts/setup_sglang_env.sh pyproject.toml
 run: install
 	$(BIN)/kvtier serve --disk file://$(CURDIR)/data/disk
 
+# Type checks: strict on the core's lower layers, the facade and the admin layer, plain on the
+# index.
+MYPY_STRICT := src/kvtier/keys.py src/kvtier/config.py src/kvtier/layout.py src/kvtier/errors.py \
+	src/kvtier/memory src/kvtier/transfer src/kvtier/controller src/kvtier/cache.py \
+	src/kvtier/admin
+MYPY_PLAIN := src/kvtier/index
+
 lint: install-test
 	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/mypy --strict $(MYPY_STRICT)
+	$(BIN)/mypy $(MYPY_PLAIN)
 
 unit: install-test
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
@@ -49,4 +58,4 @@ unit: install-test
 test: lint unit
 
 clean:
-	rm -rf $(VENV) $(VENV_SGLANG) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VENV_SGLANG) .pytest_cache .ruff_cache .mypy_cache .hypothesis

@@ -188,7 +188,7 @@ def swap_copy_path(cache: PrefixCache, path: str) -> None:
 def disk_cases(cache: PrefixCache, prefix: list[int], tokens: Any, args: argparse.Namespace,
                samples: dict[str, list[dict[str, float]]]) -> None:
     """A hit only the (cold) disk holds: loaded whole, then split with recompute as planned."""
-    from kvtier.engine.coldcache import drop_page_cache
+    from kvtier.bench.coldcache import drop_page_cache
 
     for split in ("load", "plan"):
         for _ in range(args.repeats):

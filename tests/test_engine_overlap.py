@@ -21,7 +21,7 @@ class LazyTicket:
     def __init__(self, copy: LazyCopy, host_ids: list[int], device_ids: list[int]) -> None:
         self.copy, self.host_ids, self.device_ids = copy, host_ids, device_ids
         self.landed: set[int] = set()
-        pool = copy.inner._device_pool.kv
+        pool = copy.inner.device_pool.kv
         pool[:, :, device_ids] = float("nan")
 
     def _land(self, layer: int) -> None:
@@ -49,7 +49,7 @@ class LazyCopy:
 
     def __init__(self, inner) -> None:
         self.inner = inner
-        self.num_layers = inner._device_pool.kv.shape[0]
+        self.num_layers = inner.device_pool.kv.shape[0]
         self.waits: list[int] = []
         self.tickets: list[LazyTicket] = []
 

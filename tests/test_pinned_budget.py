@@ -218,8 +218,9 @@ def test_pool_dropped_without_close_returns_its_bytes():
     assert budget.held_bytes == 0
 
 
-def test_old_import_path_still_serves_buffer_helpers():
-    from kvtier.memory import pinned
+def test_buffer_helpers_live_in_host_bytes_only():
+    from kvtier.memory import host_bytes, pinned
 
-    assert pinned.allocate_host_bytes is allocate_host_bytes
-    assert pinned.HOST_ALIGN_BYTES == HOST_ALIGN_BYTES
+    assert host_bytes.allocate_host_bytes is allocate_host_bytes
+    assert host_bytes.HOST_ALIGN_BYTES == HOST_ALIGN_BYTES
+    assert not hasattr(pinned, "allocate_host_bytes") and not hasattr(pinned, "HostBytes")

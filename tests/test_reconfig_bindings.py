@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.controller.bindings import (
+from kvtier.admin.bindings import (
     ABSENT,
     BindingIncoherent,
     BindingTable,

@@ -8,11 +8,11 @@ import uuid
 import pytest
 
 from cache_support import LAYOUT, P, make_cache, prompt, serve, store_keys
+from kvtier.admin.bindings import SwapFailed
+from kvtier.admin.host_rebuild import rebuild_host_pool
+from kvtier.admin.reconfig import Busy, NotAttached, StorageAdmin, Unsupported
+from kvtier.admin.reconfig_support import redact_store_url
 from kvtier.config import build_config
-from kvtier.controller.bindings import SwapFailed
-from kvtier.controller.host_rebuild import rebuild_host_pool
-from kvtier.controller.reconfig import Busy, NotAttached, StorageAdmin, Unsupported
-from kvtier.controller.reconfig_support import redact_store_url
 from kvtier.errors import LayoutMismatch
 from kvtier.index.radix import as_token_bytes
 from kvtier.layout import KVLayout

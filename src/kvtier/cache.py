@@ -27,8 +27,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
-from urllib.parse import parse_qsl, urlsplit
+from typing import TYPE_CHECKING, Any
 
 from kvtier.config import KvtierConfig, setting_name
 from kvtier.controller.context import CacheContext
@@ -36,11 +35,16 @@ from kvtier.controller.controller import CacheController
 from kvtier.controller.handles import Hit, Loaded
 from kvtier.controller.ranks import Collective
 from kvtier.controller.split import RateBook
+from kvtier.controller.wiring import bind_host_pool, open_stores
 from kvtier.errors import ConfigError
 from kvtier.index.radix import RadixIndex
 from kvtier.keys import KeyNamespace
 from kvtier.layout import KVLayout
 from kvtier.store.base import PageStore
+
+if TYPE_CHECKING:
+    from kvtier.memory.device_pool import DevicePool
+    from kvtier.memory.pinned import PinnedBudget
 
 __all__ = ["Hit", "Loaded", "TieredCache"]
 
@@ -50,10 +54,11 @@ CPU_DEVICE_POOL_CAP_BYTES = 1 << 30
 class TieredCache:
     """See the module docstring. Build with ``TieredCache.build``."""
 
-    def __init__(self, ctx: CacheContext, controller: CacheController, pinned_budget: Any = None) -> None:
+    def __init__(self, ctx: CacheContext, controller: CacheController,
+                 pinned_budget: PinnedBudget | None = None) -> None:
         self.ctx = ctx
         self.controller = controller
-        self.pinned_budget = pinned_budget
+        self.pinned_budget: PinnedBudget | None = pinned_budget
         self._closed = False
 
     # ---- construction ----------------------------------------------------------------------
@@ -69,10 +74,8 @@ class TieredCache:
         ``cache.device_pages`` 0 sizes the device pool from free memory
         (``cache.device_memory_fraction``; on the CPU at most 1 GiB).
         """
-        from kvtier.controller.workers import IOWorkers
-        from kvtier.memory import HostPool, PinnedBudget, WriteAdmission
+        from kvtier.memory import HostPool, PinnedBudget
         from kvtier.memory.device_pool import DevicePool
-        from kvtier.transfer import CopyEngine
 
         _check_page_sizes(config, layout, namespace)
         _check_host_tier(config, layout, stores)
@@ -82,31 +85,21 @@ class TieredCache:
         if config.host.pool_bytes:
             host_pool = HostPool.from_bytes(layout, config.host.pool_bytes, budget,
                                             host_layout=config.host.layout)
-        opened = stores if stores is not None else _open_stores(config, layout) if host_pool else {}
-        allocators = {"device": device_pool.allocator}
-        if host_pool is not None:
-            allocators["host"] = host_pool.allocator
-        ctrl = config.controller
+        opened = stores if stores is not None else open_stores(config, layout) if host_pool else {}
         ctx = CacheContext(
-            index=RadixIndex(layout.page_size, allocators=allocators,
+            index=RadixIndex(layout.page_size, allocators={"device": device_pool.allocator},
                              policies=config.cache.eviction_policy), namespace=namespace,
-            config=ctrl, device_pool=device_pool, host_pool=host_pool,
-            copy=CopyEngine(device_pool, host_pool, path=config.host.copy_path,
-                            staging_bytes=config.host.copy_staging_bytes)
-            if host_pool is not None else None,
-            stores=dict(opened),
-            rates=RateBook.for_device(device))
-        if ctx.stores:
-            ctx.workers = IOWorkers(host_pool, ctrl.io_workers, ctrl.io_queue_depth)
-            ctx.admission = WriteAdmission.for_host_pool(host_pool.num_pages,
-                                                         config.host.prefetch_share)
+            config=config.controller, device_pool=device_pool, rates=RateBook.for_device(device))
+        for tier, store in opened.items():
+            ctx.stores[tier] = store
+        bind_host_pool(ctx, host_pool, config)
         controller = CacheController(ctx, prefetch_share=config.host.prefetch_share,
                                      collective=collective)
         return cls(ctx, controller, budget)
 
     # ---- what the engine uses ----------------------------------------------------------------
     @property
-    def device_pool(self) -> Any:
+    def device_pool(self) -> DevicePool:
         """The ``DevicePool``: ``.kv`` is ``[layers, parts, pages, page_size, kv_heads, head_dim]``."""
         return self.ctx.device_pool
 
@@ -115,8 +108,9 @@ class TieredCache:
         return self.ctx.page_size
 
     def match(self, tokens: Any, salt: bytes | str | None = None) -> Hit:
-        """The prompt's cached prefix on every tier (agreed across ranks). Changes nothing."""
-        return self.controller.match(tokens, salt)
+        """The prompt's cached prefix on every tier (agreed across ranks). Changes nothing; the
+        hit carries this walk of the index, which ``load`` reuses while the index is unchanged."""
+        return self.controller.lookup.match(tokens, salt)
 
     def prefetch(self, hit: Hit, *, recompute_tokens: int = 0) -> None:
         """Optional: start landing the store part of ``hit`` (past ``recompute_tokens``) now,
@@ -127,7 +121,8 @@ class TieredCache:
         """Bring the hit (past ``recompute_tokens``) to device pages and pin them. With
         ``overlap`` a copy from the host tier may still be in flight on return: read layer ``l``
         only after ``loaded.ticket.stream_wait(layer=l)`` (``loaded.ticket`` None: landed)."""
-        return self.controller.load(hit, recompute_tokens, overlap=overlap)
+        self.controller.poll()
+        return self.controller.loader.load(hit, recompute_tokens, overlap=overlap)
 
     def plan_split(self, hit: Hit) -> int:
         """Tokens at the head of the hit to recompute rather than load (planner cost model)."""
@@ -222,7 +217,8 @@ def _check_host_tier(config: KvtierConfig, layout: KVLayout,
                           "host tier only (give the host pool bytes, or drop the store tier)")
 
 
-def _device_pool(pool_cls: Any, config: KvtierConfig, layout: KVLayout, device: str) -> Any:
+def _device_pool(pool_cls: type[DevicePool], config: KvtierConfig, layout: KVLayout,
+                 device: str) -> DevicePool:
     pages = config.cache.device_pages
     if pages:
         return pool_cls(layout, pages, device)
@@ -231,36 +227,3 @@ def _device_pool(pool_cls: Any, config: KvtierConfig, layout: KVLayout, device: 
     available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     budget = min(int(available * config.cache.device_memory_fraction), CPU_DEVICE_POOL_CAP_BYTES)
     return pool_cls(layout, max(1, budget // layout.page_bytes), device)
-
-
-def _open_stores(config: KvtierConfig, layout: KVLayout) -> dict[str, PageStore]:
-    from kvtier.store import open_store
-
-    out: dict[str, PageStore] = {}
-    store = config.store
-    if store.disk_url:
-        options = {"max_bytes": store.disk_max_bytes}
-        if urlsplit(store.disk_url).scheme == "file":
-            options["min_free_bytes"] = store.disk_min_free_bytes
-        out["disk"] = open_store(store.disk_url, page_bytes=layout.page_bytes,
-                                 **_not_in_query(store.disk_url, options))
-    if store.remote_url:
-        options = {"timeout_s": store.remote_timeout_s}
-        if store.remote_ttl_s:
-            options["ttl_s"] = store.remote_ttl_s
-        if urlsplit(store.remote_url).scheme == "memory":
-            options = {}
-        try:
-            out["remote"] = open_store(store.remote_url, page_bytes=layout.page_bytes,
-                                       **_not_in_query(store.remote_url, options))
-        except BaseException:
-            for opened in out.values():
-                opened.close()
-            raise
-    return out
-
-
-def _not_in_query(url: str, options: dict[str, Any]) -> dict[str, Any]:
-    """Config values as store options, unless the URL's query sets them itself."""
-    given = {name for name, _ in parse_qsl(urlsplit(url).query)}
-    return {k: v for k, v in options.items() if k not in given}

@@ -216,7 +216,7 @@ def _section_type(name: str) -> type:
 def _coerce(path: str, f: dataclasses.Field[Any], raw: Any) -> Any:
     """Convert ``raw`` (text from env/flags, or a YAML scalar) to the field's type and check it."""
     meta = f.metadata
-    kind = type(f.default)
+    kind: type[object] = type(f.default)
     value: Any
     if kind is bool:
         if isinstance(raw, bool):

@@ -105,12 +105,12 @@ class KeyNamespace:
         return self.seed().hex()[:16]
 
 
-def token_bytes(tokens: Sequence[int] | Any) -> bytes:
+def token_bytes(tokens: Any) -> bytes:
     """Tokens as little-endian uint32 bytes. Accepts a list, tuple, array or numpy/torch array."""
     if hasattr(tokens, "numpy"):  # torch tensor
         tokens = tokens.detach().cpu().numpy()
     if hasattr(tokens, "astype"):  # numpy array
-        return tokens.astype("<u4", copy=False).tobytes()
+        return bytes(tokens.astype("<u4", copy=False).tobytes())
     packed = array.array("I", tokens)
     if sys.byteorder != "little":
         packed.byteswap()

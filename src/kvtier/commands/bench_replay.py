@@ -11,11 +11,11 @@ time saved) and writes ``replay_*`` JSON, table and plot into DIR. Main thread.
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import asdict
 from typing import Any
 
 from kvtier.machine import format_table, write_report
+from kvtier.replay.progress import progress_bar
 
 DEFAULT_TRACE = "../shared/traces/mooncake_conversation.jsonl"
 
@@ -66,27 +66,6 @@ def load_trace(args: argparse.Namespace) -> Any:
                                 block_tokens=args.block_tokens)
         return synthetic.make(args.synthetic, shape)
     return read_trace(args.trace or DEFAULT_TRACE, args.block_tokens, args.limit)
-
-
-class _NoBar:
-    def __enter__(self) -> _NoBar:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def update(self, n: int = 1) -> None:
-        return None
-
-
-def progress_bar(total: int, label: str, enabled: bool) -> Any:
-    """A tqdm bar on stderr (a silent stand-in when disabled or tqdm is not installed)."""
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return _NoBar()
-    return tqdm(total=total, desc=label, unit="req", leave=False, disable=not enabled,
-                file=sys.stderr, mininterval=0.5)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,6 +1,6 @@
 """``kvtier bench ttft``: time to first token per cache tier and prefix length, against recompute.
 
-Loads the model once, runs ``kvtier.engine.ttft`` (every hit paired with a recompute of the same
+Loads the model once, runs ``kvtier.bench.ttft`` (every hit paired with a recompute of the same
 prompt length with kvtier off), prints a table, checks the goals, and writes JSON (with machine
 info), a text table beside it and a PNG plot. Also reports the miss-path overhead: TTFT with
 kvtier on and 0% hits against ``--no-cache``. Needs no web framework or Redis client unless a
@@ -45,7 +45,7 @@ def register(subparsers: Any) -> None:
 
 
 def _plan(args: argparse.Namespace, config: Any, scratch: Path) -> Any:
-    from kvtier.engine.ttft import TIER_NAMES, TtftPlan
+    from kvtier.bench.ttft import TIER_NAMES, TtftPlan
     from kvtier.errors import ConfigError
 
     tiers = tuple(t.strip() for t in args.tiers.split(",") if t.strip())
@@ -112,8 +112,8 @@ def _progress(total: int, enabled: bool) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvtier.bench.ttft import TtftRun, summarize
     from kvtier.engine.hf import load_model
-    from kvtier.engine.ttft import TtftRun, summarize
 
     config = config_from_args(args)
     scratch = Path(tempfile.mkdtemp(prefix="kvtier-ttft-"))
@@ -161,7 +161,7 @@ def _write(args: argparse.Namespace, summary: dict[str, Any], text: str) -> None
     if args.plot:
         import json
 
-        from kvtier.engine.ttft_plot import plot_ttft
+        from kvtier.bench.ttft_plot import plot_ttft
 
         data = json.loads(Path(args.json).read_text()) if args.json else summary
         plot_ttft(data, args.plot)

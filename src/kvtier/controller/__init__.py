@@ -5,5 +5,6 @@ Modules: ``controller`` (``CacheController``, what ``TieredCache`` delegates to)
 ``prefetch`` (store -> host, prefetch policies), ``writes`` (write policies, device -> host),
 ``backups`` (host -> store), ``jobs`` and ``workers`` (IO jobs on worker threads), ``ranks``
 (agreement across tensor-parallel ranks), ``split`` (load vs recompute), ``handles`` (``Hit``,
-``Loaded``), ``context`` (shared state), ``stats``. Engine thread, except ``jobs``/``workers``.
+``Loaded``), ``context`` (shared state), ``wiring`` (host pool and stores into the shared
+state, for building and for live changes), ``stats``. Engine thread, except ``jobs``/``workers``.
 """

@@ -21,7 +21,7 @@ import itertools
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeGuard
 
 from kvtier.controller.context import CacheContext
 from kvtier.controller.jobs import BackupJob
@@ -38,7 +38,7 @@ class BackupTask:
     salt: bytes
     keys: Sequence[bytes]
     lo: int
-    op_id: Any
+    op_id: tuple[str, str, int]
     host_node: Node | None
 
 
@@ -66,7 +66,9 @@ class Backups:
         if lo >= hi:
             return
         busy = self.in_flight[tier]
-        room = ctx.admission.capacity_pages - ctx.admission.used_pages
+        admission, workers = ctx.admission, ctx.workers
+        assert admission is not None and workers is not None, "backups without IO workers"
+        room = admission.capacity_pages - admission.used_pages
         n = 0
         while n < min(hi - lo, MAX_PAGES_PER_JOB, room) and bytes(keys[lo + n]) not in busy:
             n += 1
@@ -76,20 +78,20 @@ class Backups:
             self._defer(data, salt, keys)
             return
         op_id = ("backup", tier, next(self._ops))
-        if not ctx.admission.admit(op_id, n):
+        if not admission.admit(op_id, n):
             ctx.count(f"backup_refused_total.{tier}")
             self._defer(data, salt, keys)
             return
-        host_node = ctx.lock(data, salt, lo + n, "host")
-        host_ids = ctx.index.match(data, salt).ids("host", lo, lo + n)
+        host_node, match = ctx.lock_on(match, lo + n, "host")
+        host_ids = match.ids("host", lo, lo + n)
         job = BackupJob(tier, ctx.stores[tier], [bytes(k) for k in keys[lo:lo + n]], host_ids,
                         ctx.config.job_deadline_s)
-        if not ctx.workers.submit(job):
-            ctx.admission.release(op_id, "failure")
+        if not workers.submit(job):
+            admission.release(op_id, "failure")
             ctx.unlock(host_node, "host")
             ctx.count(f"backup_refused_total.{tier}")
             return
-        ctx.admission.occupy(op_id, n)
+        admission.occupy(op_id, n)
         busy.update(job.keys)
         self.tasks[job.id] = BackupTask(job, data, salt, keys, lo, op_id, host_node)
         if lo + n < hi:
@@ -100,8 +102,8 @@ class Backups:
             self.ctx.count("backup_deferred_dropped_total")
         self.deferred.append((data, salt, keys))
 
-    def owns(self, job: Any) -> bool:
-        return job.id in self.tasks
+    def owns(self, job: object) -> TypeGuard[BackupJob]:
+        return getattr(job, "id", None) in self.tasks
 
     def reap(self, job: BackupJob) -> None:
         """A backup job ended: mark what the store confirmed, release its charge and locks."""
@@ -111,6 +113,7 @@ class Backups:
             ctx.index.insert(task.data, task.keys, tier=job.tier, start=task.lo,
                              stop=task.lo + job.written, salt=task.salt, strict=False)
         ctx.unlock(task.host_node, "host")
+        assert ctx.admission is not None, "a backup ended without a write admission"
         ctx.admission.release(task.op_id, "ack" if job.outcome == "completed" else "failure")
         self.in_flight[job.tier].difference_update(job.keys)
         ctx.count(f"backup_pages_total.{job.tier}", job.written)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvtier.config import ControllerConfig
 from kvtier.index.match import IndexMatch
@@ -18,6 +18,14 @@ from kvtier.index.radix import RadixIndex
 from kvtier.index.residency import Node
 from kvtier.keys import KeyNamespace, PageKey, chain_keys
 from kvtier.store.base import PageStore
+
+if TYPE_CHECKING:
+    from kvtier.controller.split import RateBook
+    from kvtier.controller.workers import IOWorkers
+    from kvtier.memory.admission import WriteAdmission
+    from kvtier.memory.device_pool import DevicePool
+    from kvtier.memory.host_pool import HostPool
+    from kvtier.transfer.copy_engine import CopyEngine
 
 RECENT_KEYS = 16  # prompts whose page keys are kept (match hashes them, commit reuses them)
 
@@ -29,14 +37,14 @@ class CacheContext:
     index: RadixIndex
     namespace: KeyNamespace
     config: ControllerConfig
-    device_pool: Any
-    host_pool: Any = None          # None: host tier off (and with it every store)
-    copy: Any = None               # CopyEngine between the two pools
-    workers: Any = None            # IOWorkers (None without stores)
-    admission: Any = None          # WriteAdmission for backups
+    device_pool: DevicePool
+    host_pool: HostPool | None = None          # None: host tier off (and with it every store)
+    copy: CopyEngine | None = None             # between the two pools (None without a host)
+    workers: IOWorkers | None = None           # None without stores
+    admission: WriteAdmission | None = None    # staging ledger for backups (None without stores)
     stores: dict[str, PageStore] = field(default_factory=dict)   # "disk", "remote"
     counters: Counter[str] = field(default_factory=Counter)
-    rates: Any = None              # RateBook: tier read rates, prefill rate
+    rates: RateBook | None = None              # tier read rates, prefill rate
     host_outside: int = 0          # host pages held by jobs and copies, not by the index
     recent_keys: OrderedDict[tuple[bytes, bytes], list[PageKey]] = field(
         default_factory=OrderedDict)
@@ -84,6 +92,14 @@ class CacheContext:
         node = self.index.boundary(data, pages, salt)
         self.index.lock(node, tier)
         return node
+
+    def lock_on(self, match: IndexMatch, pages: int, tier: str) -> tuple[Node | None, IndexMatch]:
+        """``lock`` over a walk already made; also returns the match as it stands after the
+        lock (a boundary split changes the path, not what it matched)."""
+        node, match = self.index.cut(match, pages)
+        if node is not None:
+            self.index.lock(node, tier)
+        return node, match
 
     def unlock(self, node: Node | None, tier: str) -> None:
         if node is not None:

@@ -1,15 +1,15 @@
 """The cache controller: bookkeeping on the engine thread, bytes in workers and the copy engine.
 
 Owns ``CacheController``, which ties the index to the pools, the stores and the IO workers and
-implements everything ``TieredCache`` exposes: match (``Lookup``), load (``LoadBack`` with
-``Prefetcher``), commit under the write policy (``HostWriter``, ``Backups``), allocation,
+builds the parts ``TieredCache`` calls directly (``lookup`` for match, ``loader`` for load), and
+implements the rest: commit under the write policy (``HostWriter``, ``Backups``), allocation,
 release, flush, poll and stats. It also keeps the ownership ledger of device pages that are not
 in the index: pages handed to the engine by ``allocate`` and pages private to a ``Loaded``; a
 ``commit`` transfers them to the index (or frees duplicates), ``release`` frees what a
 ``Loaded`` still holds. ``check_integrity`` verifies the index and these ledgers together.
 
 Every public method runs on the engine thread. IO workers only run jobs and post completions,
-which ``poll`` (and ``load``/``flush``) reap here.
+which ``poll`` reaps here (the facade polls before each load, ``flush`` and ``drain`` too).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 from kvtier.controller.backups import Backups
 from kvtier.controller.context import CacheContext
 from kvtier.controller.handles import Hit, Loaded
+from kvtier.controller.jobs import PrefetchJob
 from kvtier.controller.loadback import LoadBack
 from kvtier.controller.lookup import Lookup
 from kvtier.controller.prefetch import Prefetcher
@@ -42,15 +43,12 @@ class CacheController:
         self.writer = HostWriter(ctx, self.backups)
         self.prefetcher = Prefetcher(ctx, prefetch_share)
         self.lookup = Lookup(ctx, self.ranks)
-        self.loader = LoadBack(ctx, self.prefetcher, self.writer, self.ranks)
-        ctx.index.on_evict = self.writer.on_evict
         self.engine_pages: set[int] = set()
         self.private_owner: dict[int, Loaded] = {}
+        self.loader = LoadBack(ctx, self.prefetcher, self.writer, self.ranks, self.private_owner)
+        ctx.index.on_evict = self.writer.on_evict
 
     # ---- requests ------------------------------------------------------------------------
-    def match(self, tokens: Any, salt: bytes | str | None = None) -> Hit:
-        return self.lookup.match(tokens, salt)
-
     def prefetch(self, hit: Hit, recompute_tokens: int = 0) -> None:
         """Start the store part of ``hit`` past ``recompute_tokens`` landing now (``load`` with
         the same ``recompute_tokens`` waits for it later)."""
@@ -67,13 +65,6 @@ class CacheController:
             if task is not None:
                 task.held = True
                 hit._prefetch = task
-
-    def load(self, hit: Hit, recompute_tokens: int = 0, *, overlap: bool = False) -> Loaded:
-        self.poll()
-        loaded = self.loader.load(hit, recompute_tokens, overlap=overlap)
-        for page_id in loaded._private:
-            self.private_owner[page_id] = loaded
-        return loaded
 
     def plan_split(self, hit: Hit) -> int:
         """Agreed across ranks (rates are measured per rank): the smallest rank's split."""
@@ -116,7 +107,7 @@ class CacheController:
         ctx.index.free("device", result.unused_ids + [i for i in ids[full:] if i not in held])
         ctx.count("commit_total")
         ctx.count("commit_new_pages_total", result.taken)
-        self.writer.after_commit(data, key, keys)
+        self.writer.after_commit(data, key, keys, match)  # walks again only if insert changed it
 
     def _check_ownership(self, ids: list[int], full: int, held: list[int]) -> None:
         if len(ids) < full:
@@ -166,7 +157,7 @@ class CacheController:
                 self.backups.reap(job)
         self.backups.retry_deferred()
 
-    def _observe_job(self, kind: str, job: Any) -> None:
+    def _observe_job(self, kind: str, job: PrefetchJob) -> None:
         if job.landed and job.segments and job.finished_at > job.started:
             tier = job.segments[0].tier
             self.rates.observe(tier, job.landed * self.ctx.device_pool.layout.page_bytes,
@@ -204,7 +195,7 @@ class CacheController:
         ctx = self.ctx
         ctx.index.check_integrity(self.outstanding())
         ctx.device_pool.allocator.check_integrity()
-        if ctx.has_host:
+        if ctx.host_pool is not None and ctx.has_host:
             ctx.host_pool.allocator.check_integrity()
         owners = {id(x): x for x in self.private_owner.values()}.values()
         if len(self.private_owner) != sum(len(x._private) for x in owners):

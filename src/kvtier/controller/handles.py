@@ -8,7 +8,13 @@ own view, used by the controller. Engine thread only.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvtier.controller.prefetch import PrefetchTask
+    from kvtier.index.match import IndexMatch
+    from kvtier.index.residency import Node
+    from kvtier.transfer.copy_engine import Ticket
 
 TIER_ORDER: tuple[str, ...] = ("device", "host", "disk", "remote")
 
@@ -29,7 +35,10 @@ class Hit:
     _data: bytes = field(repr=False, default=b"")
     _reach: tuple[int, int, int, int] = (0, 0, 0, 0)       # agreed pages per tier, cumulative
     _store_ends: tuple[int, int] = (0, 0)                   # local: disk end, remote end (pages)
-    _prefetch: Any = field(default=None, repr=False)        # an early prefetch (PrefetchTask)
+    _prefetch: PrefetchTask | None = field(default=None, repr=False)  # an early prefetch
+    #: This rank's walk of the index behind the hit (``IndexMatch``); ``load`` reuses it while
+    #: the index has not changed since, so a request walks the tree once.
+    _match: IndexMatch | None = field(default=None, repr=False)
 
     @property
     def pages(self) -> int:
@@ -55,14 +64,14 @@ class Loaded:
     device_page_ids: list[int]
     start_tokens: int
     hit: Hit = field(repr=False)
-    _lock_node: Any = field(default=None, repr=False)
+    _lock_node: Node | None = field(default=None, repr=False)
     _private: set[int] = field(default_factory=set, repr=False)
     released: bool = False
     #: The host -> device copy still in flight (``load(..., overlap=True)``), a per-layer
     #: ``kvtier.transfer.copy_engine.Ticket``: consumers wait on it on the device before reading
     #: layer ``l`` (``ticket.stream_wait(layer=l)``); None once the pages have landed.
-    ticket: Any = field(default=None, repr=False)
-    _host_lock_node: Any = field(default=None, repr=False)
+    ticket: Ticket | None = field(default=None, repr=False)
+    _host_lock_node: Node | None = field(default=None, repr=False)
 
     @property
     def pages(self) -> int:

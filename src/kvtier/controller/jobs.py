@@ -18,9 +18,14 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvtier.store.base import PageStore
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvtier.memory.host_pool import HostPool
 
 LOAD, STORE = 0, 1  # priorities: loads (prefetch) are served before stores (backup)
 OUTCOMES = ("completed", "partial", "failed", "cancelled", "expired", "error")
@@ -30,24 +35,24 @@ _ids = itertools.count(1)
 class HostPages:
     """How a job reaches host pages: a direct view (page_first) or staging copies (layer_first)."""
 
-    def __init__(self, host_pool: Any) -> None:
+    def __init__(self, host_pool: HostPool) -> None:
         self.pool = host_pool
         self.direct = host_pool.host_layout == "page_first"
 
-    def buffers(self, ids: Sequence[int]) -> list[Any]:
+    def buffers(self, ids: Sequence[int]) -> list[torch.Tensor]:
         if self.direct:
             return [self.pool.page(h) for h in ids]
         import torch
 
         return [torch.empty(self.pool.page_bytes, dtype=torch.uint8) for _ in ids]
 
-    def fill_from(self, ids: Sequence[int], buffers: Sequence[Any]) -> None:
+    def fill_from(self, ids: Sequence[int], buffers: Sequence[torch.Tensor]) -> None:
         """After a read into staging buffers: copy them into the (layer_first) pool."""
         if not self.direct:
             for h, buf in zip(ids, buffers, strict=True):
                 self.pool.copy_page_in(h, buf)
 
-    def read_out(self, ids: Sequence[int]) -> list[Any]:
+    def read_out(self, ids: Sequence[int]) -> list[torch.Tensor]:
         """Buffers holding pages ``ids`` in canonical order, for a store write."""
         if self.direct:
             return [self.pool.page(h) for h in ids]
@@ -198,8 +203,8 @@ class BackupJob(Job):
             if todo:
                 written = self.store.write([keys[i] for i in todo],
                                            host.read_out([ids[i] for i in todo]))
-                for i, ok in zip(todo, written, strict=True):
-                    done[i] = ok
+                for i, stored in zip(todo, written, strict=True):
+                    done[i] = stored
             ok = _leading_true(done)
             self.written = lo + ok
             if ok < len(keys):

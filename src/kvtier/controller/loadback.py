@@ -2,8 +2,8 @@
 
 Owns ``LoadBack.load``, the one path by which a hit becomes device pages:
 
-1. walk the index again (the ``Hit`` may be stale), count the use, lock the device prefix and
-   the host prefix that serve as sources;
+1. take the hit's walk of the index (walking again only if the index changed since ``match``),
+   count the use, lock the device prefix and the host prefix that serve as sources;
 2. prefetch the part only stores hold (``Prefetcher``; waits as the prefetch policy says);
 3. agree across ranks on the pages available (collective 1);
 4. allocate device pages (evicting device leaves), copy host -> device through the copy engine
@@ -28,8 +28,9 @@ to the next collective (and is counted), so every rank always makes both calls (
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
 
 from kvtier.controller.context import CacheContext
 from kvtier.controller.handles import Hit, Loaded
@@ -37,8 +38,14 @@ from kvtier.controller.prefetch import Prefetcher, PrefetchTask
 from kvtier.controller.ranks import RankAgreement
 from kvtier.controller.writes import HostWriter
 from kvtier.errors import PoolExhausted
+from kvtier.index.match import IndexMatch
 from kvtier.index.residency import Node
 from kvtier.keys import PageKey
+
+if TYPE_CHECKING:
+    from kvtier.transfer.copy_engine import Ticket
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -57,7 +64,8 @@ class LoadPlan:
     landed_ids: list[int] = field(default_factory=list)
     available: int = 0            # pages this rank could put on device
     overlap: bool = False         # copy layer by layer and leave it in flight (host pages only)
-    ticket: Any = None            # the copy left in flight
+    ticket: Ticket | None = None  # the copy left in flight
+    match: IndexMatch | None = None   # the latest walk (reused while the index is unchanged)
     device_lock: Node | None = None
     host_lock: Node | None = None
 
@@ -66,33 +74,38 @@ class LoadBack:
     """Runs loads; see the module docstring."""
 
     def __init__(self, ctx: CacheContext, prefetcher: Prefetcher, writer: HostWriter,
-                 ranks: RankAgreement) -> None:
+                 ranks: RankAgreement, private_owner: dict[int, Loaded] | None = None) -> None:
         self.ctx = ctx
+        #: The controller's ledger of device pages private to a ``Loaded`` (filled here).
+        self.private_owner: dict[int, Loaded] = {} if private_owner is None else private_owner
         self.prefetcher = prefetcher
         self.writer = writer
         self.ranks = ranks
 
     def load(self, hit: Hit, recompute_tokens: int = 0, *, overlap: bool = False) -> Loaded:
         plan = LoadPlan(hit._data, hit.salt, overlap=overlap)
-        ok = self._guard(self._prepare, plan, hit, recompute_tokens)
+        ok = self._guard(lambda: self._prepare(plan, hit, recompute_tokens))
         agreed = self.ranks.agree(plan.available if ok else 0)
-        result = self._guard(self._to_device, plan, agreed) if ok else None
+        result = self._guard(lambda: self._to_device(plan, agreed)) if ok else None
         end, private = result if result else (0, [])
         final = self.ranks.agree(end)
-        return self._finish(hit, plan, min(final, end), private)
+        loaded = self._finish(hit, plan, min(final, end), private)
+        for page_id in loaded._private:
+            self.private_owner[page_id] = loaded
+        return loaded
 
-    def _guard(self, step: Any, *args: Any) -> Any:
+    def _guard(self, step: Callable[[], T]) -> T | None:
         try:
-            out = step(*args)
-            return True if out is None else out
+            return step()
         except Exception:
             self.ctx.count("load_errors_total")
             return None
 
     # ---- step 1 and 2 --------------------------------------------------------------------
-    def _prepare(self, plan: LoadPlan, hit: Hit, recompute_tokens: int) -> None:
+    def _prepare(self, plan: LoadPlan, hit: Hit, recompute_tokens: int) -> bool:
         ctx = self.ctx
-        match = ctx.index.match(plan.data, plan.salt)
+        match = (ctx.index.match(plan.data, plan.salt) if hit._match is None
+                 else ctx.index.current(hit._match))
         ctx.index.touch(match)
         target = min(hit.pages, match.prompt_pages)
         plan.device = min(match.depth_of("device"), target)
@@ -102,13 +115,14 @@ class LoadBack:
         plan.prefix_mode = plan.begin == plan.device
         plan.keys = ctx.keys(match, target)
         if plan.prefix_mode:
-            plan.device_lock = ctx.lock(plan.data, plan.salt, plan.device, "device")
-        plan.host_lock = ctx.lock(plan.data, plan.salt, plan.host, "host")
+            plan.device_lock, match = ctx.lock_on(match, plan.device, "device")
+        plan.host_lock, plan.match = ctx.lock_on(match, plan.host, "host")
         plan.store_lo = plan.available = max(plan.begin, plan.host)
         store_hi = min(target, max(hit._store_ends))
         if hit.reach("remote") > hit.reach("host") and plan.store_lo < store_hi \
                 and ctx.workers is not None:
             self._prefetch(plan, hit, store_hi)
+        return True
 
     def _prefetch(self, plan: LoadPlan, hit: Hit, store_hi: int) -> None:
         task, hit._prefetch = getattr(hit, "_prefetch", None), None
@@ -138,15 +152,17 @@ class LoadBack:
         except PoolExhausted:
             ctx.count("load_device_full_total")
             return (min(plan.device, end) if plan.prefix_mode else 0), []
-        match = ctx.index.match(plan.data, plan.salt)
+        match = self._walk(plan)
         host_end = min(plan.host, end)
         sources = match.ids("host", plan.begin, host_end) if host_end > plan.begin else []
         sources += plan.landed_ids[:max(0, end - plan.store_lo)]
-        if plan.overlap and not plan.landed_ids and ctx.copy.asynchronous:
-            plan.ticket = ctx.copy.load_layerwise(sources, device_ids)
+        copy = ctx.copy
+        assert copy is not None, "a load from the host tier without a copy engine"
+        if plan.overlap and not plan.landed_ids and copy.asynchronous:
+            plan.ticket = copy.load_layerwise(sources, device_ids)
         else:
             started = time.monotonic()
-            ctx.copy.load(sources, device_ids).wait(None)
+            copy.load(sources, device_ids).wait(None)
             if ctx.rates is not None:
                 ctx.rates.observe("host", len(device_ids) * ctx.device_pool.layout.page_bytes,
                                   time.monotonic() - started)
@@ -171,8 +187,8 @@ class LoadBack:
         try:
             self._keep_landed(plan)
             if plan.prefix_mode:
-                node = ctx.lock(plan.data, plan.salt, end, "device")
-                ids = ctx.index.match(plan.data, plan.salt).ids("device", 0, end)
+                node, plan.match = ctx.lock_on(self._walk(plan), end, "device")
+                ids = plan.match.ids("device", 0, end)
                 loaded = Loaded(end * ctx.page_size, ids, 0, hit, node)
             else:
                 keep = private[:max(0, end - plan.begin)]
@@ -189,5 +205,11 @@ class LoadBack:
         ctx.count("load_total")
         ctx.count("loaded_tokens_total", loaded.tokens - loaded.start_tokens)
         if plan.keys:
-            self.writer.after_load(plan.data, plan.salt, plan.keys)
+            self.writer.after_load(plan.data, plan.salt, plan.keys, plan.match)
         return loaded
+
+    def _walk(self, plan: LoadPlan) -> IndexMatch:
+        """The plan's walk, renewed only if the index changed since."""
+        plan.match = (self.ctx.index.match(plan.data, plan.salt) if plan.match is None
+                      else self.ctx.index.current(plan.match))
+        return plan.match

@@ -19,6 +19,7 @@ from kvtier.controller.handles import TIER_ORDER, Hit
 from kvtier.controller.ranks import RankAgreement
 from kvtier.index.match import IndexMatch
 from kvtier.index.radix import as_token_bytes, salt_bytes
+from kvtier.keys import PageKey
 
 
 class Lookup:
@@ -47,7 +48,8 @@ class Lookup:
         device_ids = match.ids("device", 0, agreed[0]) if match is not None and agreed[0] else []
         self._count(agreed)
         return Hit(agreed[3] * self.ctx.page_size, by_tier, device_ids, key, self.ctx.page_size,
-                   len(data) // 4, data, (agreed[0], agreed[1], agreed[2], agreed[3]), store_ends)
+                   len(data) // 4, data, (agreed[0], agreed[1], agreed[2], agreed[3]), store_ends,
+                   _match=match)
 
     def _local(self, data: bytes, salt: bytes) -> tuple[tuple[int, ...], tuple[int, int],
                                                         IndexMatch]:
@@ -67,7 +69,7 @@ class Lookup:
                 remote_end = start + self._probe("remote", keys[start:])
         return (device, fast, disk_end, max(disk_end, remote_end)), (disk_end, remote_end), match
 
-    def _probe(self, tier: str, keys: list) -> int:
+    def _probe(self, tier: str, keys: list[PageKey]) -> int:
         if not keys:
             return 0
         try:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeGuard
 
 from kvtier.config import ControllerConfig
 from kvtier.controller.context import CacheContext
@@ -63,10 +64,17 @@ class Prefetcher:
 
     def __init__(self, ctx: CacheContext, prefetch_share: float) -> None:
         self.ctx = ctx
-        pages = ctx.host_pool.num_pages if ctx.has_host else 0
-        self.landing_cap = pages - staging_capacity_pages(pages, prefetch_share)
+        self.prefetch_share = prefetch_share
         self.landing = 0
         self.tasks: dict[int, PrefetchTask] = {}
+
+    @property
+    def landing_cap(self) -> int:
+        """Host pages prefetches may land in: the host pool less the write staging share (follows
+        the host pool the context holds now)."""
+        pool = self.ctx.host_pool
+        pages = pool.num_pages if pool is not None else 0
+        return pages - staging_capacity_pages(pages, self.prefetch_share)
 
     def start(self, data: bytes, salt: bytes, keys: Sequence[bytes], lo: int, hi: int,
               disk_end: int) -> PrefetchTask | None:
@@ -90,6 +98,7 @@ class Prefetcher:
         # progress is published per batch: at least four times per job, at most 16 pages apart
         batch = max(1, min(16, len(host_ids) // 4))
         job = PrefetchJob(segments, host_ids, ctx.config.job_deadline_s, batch_pages=batch)
+        assert ctx.workers is not None, "prefetch without IO workers"
         if not ctx.workers.submit(job):
             ctx.index.free("host", host_ids)
             ctx.count("prefetch_total.refused")
@@ -148,7 +157,7 @@ class Prefetcher:
         return any(not task.job.is_done() or not task.ended and not task.held
                    for task in self.tasks.values())
 
-    def owns(self, job: object) -> bool:
+    def owns(self, job: object) -> TypeGuard[PrefetchJob]:
         return getattr(job, "id", None) in self.tasks
 
     def reap(self, job: PrefetchJob) -> None:

@@ -29,8 +29,8 @@ only; numpy, no torch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -189,7 +189,7 @@ class RateBook:
         old = self.split_errors.get(bucket)
         self.split_errors[bucket] = miss if old is None else old + 2 * SMOOTHING * (miss - old)
 
-    def prefill_time(self) -> Any:
+    def prefill_time(self) -> Callable[[int], float] | None:
         """Seconds to prefill ``n`` tokens from the quadratic fit, or None until it holds."""
         solved = self.prefill_curve.solve()
         if solved is None:

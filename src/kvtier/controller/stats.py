@@ -8,10 +8,14 @@ turns it into Prometheus series. Engine thread.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.controller.context import CacheContext
 from kvtier.index.residency import TIERS
+
+if TYPE_CHECKING:
+    from kvtier.controller.controller import CacheController
+    from kvtier.memory.pinned import PinnedBudget
 
 
 def nest_counters(counters: dict[str, int]) -> dict[str, Any]:
@@ -30,7 +34,8 @@ def nest_counters(counters: dict[str, int]) -> dict[str, Any]:
     return out
 
 
-def cache_stats(ctx: CacheContext, controller: Any, pinned_budget: Any) -> dict[str, Any]:
+def cache_stats(ctx: CacheContext, controller: CacheController,
+                pinned_budget: PinnedBudget | None) -> dict[str, Any]:
     index = ctx.index
     tiers = {}
     for tier in TIERS:

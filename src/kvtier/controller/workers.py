@@ -16,15 +16,18 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.controller.jobs import LOAD, HostPages, Job
+
+if TYPE_CHECKING:
+    from kvtier.memory.host_pool import HostPool
 
 
 class IOWorkers:
     """Threads running IO jobs from two bounded queues (loads first)."""
 
-    def __init__(self, host_pool: Any, workers: int, queue_depth: int,
+    def __init__(self, host_pool: HostPool, workers: int, queue_depth: int,
                  name: str = "kvtier-io") -> None:
         if workers < 1 or queue_depth < 1:
             raise ValueError(f"need workers >= 1 and queue_depth >= 1, got {workers}, {queue_depth}")
@@ -40,6 +43,11 @@ class IOWorkers:
                          for i in range(workers)]
         for thread in self._threads:
             thread.start()
+
+    @property
+    def host_pool(self) -> HostPool:
+        """The ``HostPool`` whose pages the jobs read and write (read-only)."""
+        return self._host.pool
 
     def submit(self, job: Job) -> bool:
         """Queue ``job``; False (counted, nothing queued) when the queues are full or closing."""

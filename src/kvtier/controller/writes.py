@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvtier.controller.backups import Backups
 from kvtier.controller.context import CacheContext, path_of, split_keys
@@ -31,6 +31,9 @@ from kvtier.index.eviction import AdmissionPolicy, AdmitAll, AdmitOnSecondHit
 from kvtier.index.match import IndexMatch
 from kvtier.index.residency import TIER_INDEX, Node
 
+if TYPE_CHECKING:
+    from kvtier.transfer.copy_engine import Ticket
+
 HOST = TIER_INDEX["host"]
 
 
@@ -38,7 +41,7 @@ HOST = TIER_INDEX["host"]
 class HostCopy:
     """A device -> host copy in flight."""
 
-    ticket: Any
+    ticket: Ticket
     data: bytes
     salt: bytes
     keys: Sequence[bytes]
@@ -60,18 +63,25 @@ class HostWriter:
         self.pending: deque[HostCopy] = deque()
 
     # ---- policy entry points -------------------------------------------------------------
-    def after_commit(self, data: bytes, salt: bytes, keys: Sequence[bytes]) -> None:
+    def after_commit(self, data: bytes, salt: bytes, keys: Sequence[bytes],
+                     match: IndexMatch | None = None) -> None:
+        """Apply the write policy to a committed prompt (``match``: a walk of it to reuse)."""
         if self.policy == "write_back" or not self.ctx.has_host:
             self.backups.want(data, salt, keys)
             return
-        match = self.ctx.index.match(data, salt)
-        self.copy(data, salt, keys, self._admitted_depth(match))
+        match = self._walk(data, salt, match)
+        self.copy(data, salt, keys, self._admitted_depth(match), match=match)
 
-    def after_load(self, data: bytes, salt: bytes, keys: Sequence[bytes]) -> None:
+    def after_load(self, data: bytes, salt: bytes, keys: Sequence[bytes],
+                   match: IndexMatch | None = None) -> None:
         """A prefix was used again: the selective policy may now admit it."""
         if self.policy == "write_through_selective" and self.ctx.has_host:
-            match = self.ctx.index.match(data, salt)
-            self.copy(data, salt, keys, self._admitted_depth(match))
+            match = self._walk(data, salt, match)
+            self.copy(data, salt, keys, self._admitted_depth(match), match=match)
+
+    def _walk(self, data: bytes, salt: bytes, match: IndexMatch | None) -> IndexMatch:
+        index = self.ctx.index
+        return index.match(data, salt) if match is None else index.current(match)
 
     def _admitted_depth(self, match: IndexMatch) -> int:
         depth = 0
@@ -92,22 +102,23 @@ class HostWriter:
 
     # ---- copies ------------------------------------------------------------------------------
     def copy(self, data: bytes, salt: bytes, keys: Sequence[bytes], stop: int, *,
-             wait: bool = False) -> int:
+             wait: bool = False, match: IndexMatch | None = None) -> int:
         """Copy device pages ``[host depth, stop)`` to host; returns the pages submitted."""
         ctx = self.ctx
-        before = ctx.index.match(data, salt)
-        lo, hi = before.depth_of("host"), min(stop, before.depth_of("device"))
+        match = self._walk(data, salt, match)
+        lo, hi = match.depth_of("host"), min(stop, match.depth_of("device"))
         if hi <= lo:
             return 0
-        host_node = ctx.lock(data, salt, lo, "host")
-        device_node = ctx.lock(data, salt, hi, "device")
+        host_node, match = ctx.lock_on(match, lo, "host")
+        device_node, match = ctx.lock_on(match, hi, "device")
         host_ids = self._host_pages(hi - lo)
         if not host_ids:
             ctx.unlock(host_node, "host")
             ctx.unlock(device_node, "device")
             return 0
-        match = ctx.index.match(data, salt)  # boundaries may have split nodes: walk again
+        match = ctx.index.current(match)  # making room may have evicted host pages
         device_ids = match.ids("device", lo, lo + len(host_ids))
+        assert ctx.copy is not None, "a host copy without a copy engine"
         ticket = ctx.copy.store(device_ids, host_ids)
         ctx.host_outside += len(host_ids)
         ctx.count("host_copy_pages_total", len(host_ids))

@@ -76,7 +76,7 @@ class InsertWalk:
         value = node.res[self.t]
         if value is not None:  # already held: offered ids that differ are unused
             if value is not NO_IDS and self.ids is not None:
-                offered = self._ids(lo, hi)
+                offered = self._ids(lo, hi) or []
                 held = value[lo - self.pos:]
                 self.unused.extend(i for i, h in zip(offered, held, strict=True) if i != h)
             return True

@@ -9,7 +9,7 @@ statements) naming the first broken law. Engine thread; no torch.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from kvtier.index.residency import NO_IDS, TIERS, Node
 from kvtier.keys import KEY_BYTES
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from kvtier.index.radix import RadixIndex
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     raise AssertionError(f"index integrity: {message}")
 
 

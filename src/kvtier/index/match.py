@@ -4,7 +4,8 @@ Owns the read-only views the index hands out. An ``IndexMatch`` is a snapshot of
 path of nodes a prompt matched, how many of its pages each tier holds (a tier's resident set is
 prefix-closed, so each tier's share is a depth from the root), and accessors for the page ids
 and keys of that prefix. It holds node references for immediate use on the engine thread; after
-any mutation of the index, walk again. Pure Python, no torch.
+any mutation of the index, walk again (``RadixIndex.current`` does so only when the
+index changed since). Pure Python, no torch.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class IndexMatch:
     pages: int                               # pages matched in the tree (each held somewhere)
     depth: tuple[int, ...]                   # per tier (TIERS order): pages held from the root
     path: tuple[tuple[Node, int], ...] = field(repr=False)  # (node, pages of it used), root-down
+    version: int = -1                        # the index's version when walked (-1: unknown)
 
     @property
     def prompt_pages(self) -> int:

@@ -25,13 +25,14 @@ Single-threaded: the engine thread owns it. No torch.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from dataclasses import replace
+from typing import Any, cast
 
 from kvtier.errors import PoolExhausted
 from kvtier.index.insert import InsertWalk
 from kvtier.index.integrity import check_index
 from kvtier.index.match import IndexMatch, InsertResult
-from kvtier.index.residency import TIERS, Node, TierLedger, TierSizes, tier_index
+from kvtier.index.residency import TIERS, Allocator, Node, TierLedger, TierSizes, tier_index
 from kvtier.index.tree import EvictHook, ResidencyObserver, Tree
 from kvtier.keys import token_bytes
 
@@ -95,7 +96,7 @@ class RadixIndex(Tree):
         for t in range(len(TIERS)):
             if mask >> t & 1:
                 depth[t] = pos
-        return IndexMatch(key, self.page_size, data, pos, tuple(depth), tuple(path))
+        return IndexMatch(key, self.page_size, data, pos, tuple(depth), tuple(path), self.version)
 
     def _common_pages(self, node: Node, data: bytes, pos: int, limit: int) -> int:
         """Leading pages of ``node`` equal to the prompt's pages from ``pos`` (first page known)."""
@@ -156,19 +157,39 @@ class RadixIndex(Tree):
             raise ValueError(f"{len(ids)} ids for {stop - start} pages")
         if keys is not None and len(keys) < stop:
             raise ValueError(f"{len(keys)} keys for {stop} pages")
+    def current(self, match: IndexMatch) -> IndexMatch:
+        """``match`` itself while the index has not changed since that walk, else a new walk."""
+        if match.version == self.version:
+            return match
+        return self.match(match.data, match.salt)
+
     def boundary(self, tokens: Any, pages: int, salt: bytes | str | None = None) -> Node | None:
         """The node ending exactly after prefix page ``pages`` (splitting one if needed)."""
         if pages == 0:
             return None
-        match = self.match(tokens, salt)
+        return self.cut(self.match(tokens, salt), pages)[0]
+
+    def cut(self, match: IndexMatch, pages: int) -> tuple[Node | None, IndexMatch]:
+        """``boundary`` over a walk already made: the node ending after prefix page ``pages``
+        of ``match`` (split off if needed), and the match as it stands after that split."""
+        if pages == 0:
+            return None, match
+        match = self.current(match)
         if match.pages < pages:
             raise ValueError(f"only {match.pages} pages are indexed, asked for {pages}")
         pos = 0
-        for node, _used in match.path:
+        for i, (node, used) in enumerate(match.path):
             if pos + node.pages >= pages:
-                return node if pos + node.pages == pages else self.split(node, pages - pos)
+                if pos + node.pages == pages:
+                    return node, match
+                head_pages = pages - pos
+                head = self.split(node, head_pages)
+                tail = ((node, used - head_pages),) if used > head_pages else ()
+                path = match.path[:i] + ((head, head_pages),) + tail + match.path[i + 1:]
+                return head, replace(match, path=path, version=self.version)
             pos += node.pages
         raise AssertionError("unreachable: match covered the pages")
+
     def evict(self, tier: str, pages: int, *, use_hook: bool = True) -> int:
         """Free at least ``pages`` pages of ``tier`` by evicting whole leaves in policy order.
 
@@ -181,7 +202,7 @@ class RadixIndex(Tree):
             return 0
         freed = 0
         while freed < pages:
-            victim = ledger.policy.pop_victim()
+            victim = cast("Node | None", ledger.policy.pop_victim())
             if victim is None:
                 raise AssertionError(f"{tier}: policy empty with {ledger.evictable} evictable")
             if use_hook and self.on_evict is not None:
@@ -207,22 +228,26 @@ class RadixIndex(Tree):
                 observer.cleared(self)
     # ---- page ids ----------------------------------------------------------------------------
     def can_allocate(self, tier: str, n: int) -> bool:
-        ledger = self.ledgers[tier_index(tier)]
-        if ledger.allocator is None:
-            raise ValueError(f"tier {tier} has no page ids")
-        return ledger.allocator.num_free + ledger.evictable >= n
+        ledger, allocator = self._with_ids(tier)
+        return allocator.num_free + ledger.evictable >= n
 
     def allocate(self, tier: str, n: int) -> list[int]:
         """``n`` page ids of ``tier``, evicting as needed; PoolExhausted (nothing evicted) if
         even evicting everything evictable would not make room."""
-        ledger = self.ledgers[tier_index(tier)]
-        if not self.can_allocate(tier, n):
-            raise PoolExhausted(f"{tier}: {n} pages asked, {ledger.allocator.num_free} free, "
+        ledger, allocator = self._with_ids(tier)
+        if allocator.num_free + ledger.evictable < n:
+            raise PoolExhausted(f"{tier}: {n} pages asked, {allocator.num_free} free, "
                                 f"{ledger.evictable} evictable")
-        short = n - ledger.allocator.num_free
+        short = n - allocator.num_free
         if short > 0:
             self.evict(tier, short)
-        return ledger.allocator.allocate(n)
+        return allocator.allocate(n)
+
+    def _with_ids(self, tier: str) -> tuple[TierLedger, Allocator]:
+        ledger = self.ledgers[tier_index(tier)]
+        if ledger.allocator is None:
+            raise ValueError(f"tier {tier} has no page ids")
+        return ledger, ledger.allocator
 
     def free(self, tier: str, ids: Sequence[int]) -> None:
         """Return ids the index never took (unused ids of an insert, say) to the tier's pool."""

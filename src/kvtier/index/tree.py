@@ -59,6 +59,9 @@ class Tree:
         self._step = page_size * 4
         self._roots: dict[bytes, Node] = {}
         self._clock = 0
+        #: Bumped by every change of the tree's shape or residency, so that a walk's result can
+        #: be reused until the tree changes (``RadixIndex.current``). Locks and hits do not count.
+        self.version = 0
         self.on_evict = on_evict
         self.observer: ResidencyObserver | None = None
         self.ledgers: tuple[TierLedger, ...] = tuple(
@@ -83,6 +86,7 @@ class Tree:
 
     def _new_node(self, parent: Node, data: bytes, keys: Sequence[bytes] | None, lo: int,
                   hi: int) -> Node:
+        self.version += 1
         raw = b"".join(bytes(k) for k in keys[lo:hi]) if keys is not None else b""
         node = Node(parent, data[lo * self._step:hi * self._step], raw, hi - lo, parent.salt)
         node.hits = 1
@@ -98,6 +102,7 @@ class Tree:
         if not 0 < pages < node.pages:
             raise ValueError(f"cannot split a run of {node.pages} pages at {pages}")
         cut = pages * self._step
+        self.version += 1
         parent = node.parent
         assert parent is not None
         head = Node(parent, node.tokens[:cut], node.keys[:pages * KEY_BYTES], pages, node.salt)
@@ -117,6 +122,7 @@ class Tree:
 
     # ---- residency transitions (keep counts and policy membership exact) -----------------
     def _set(self, node: Node, t: int, value: Any) -> None:
+        self.version += 1
         ledger = self.ledgers[t]
         node.res[t] = value
         node.mask |= 1 << t
@@ -134,6 +140,7 @@ class Tree:
             self.observer.stored(node, t)
 
     def _unset(self, node: Node, t: int) -> Any:
+        self.version += 1
         ledger = self.ledgers[t]
         value = node.res[t]
         node.res[t] = None
@@ -153,6 +160,7 @@ class Tree:
 
     def _delete(self, node: Node) -> None:
         """Remove a node held nowhere (and therefore without children) from the tree."""
+        self.version += 1
         assert not node.children and not node.anywhere(), node
         parent = node.parent
         assert parent is not None

@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import CapacityError, ConfigError
 from kvtier.memory.pinned import PinnedBudget, PinnedLease
+
+if TYPE_CHECKING:
+    import torch
 
 #: Host buffers start on an OS page boundary: aligned reads (O_DIRECT, preadv) land at full speed.
 HOST_ALIGN_BYTES = 4096
@@ -54,9 +57,9 @@ class HostBytes:
     a registration never outlives its owner and freed memory is never left pinned.
     """
 
-    def __init__(self, tensor: Any, nbytes: int, leases: tuple[PinnedLease, ...], method: str,
-                 backing: Any = None, registered_ptr: int = 0) -> None:
-        self.tensor = tensor
+    def __init__(self, tensor: torch.Tensor, nbytes: int, leases: tuple[PinnedLease, ...],
+                 method: str, backing: Any = None, registered_ptr: int = 0) -> None:
+        self.tensor: torch.Tensor | None = tensor  # None once closed
         self.nbytes = nbytes
         self.lease = leases[0]
         self.method = method
@@ -165,7 +168,7 @@ def _register(ptr: int, nbytes: int) -> bool:
     import torch
 
     try:
-        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)  # type: ignore[no-untyped-call]
     except (AttributeError, AssertionError, RuntimeError):
         return False
     return int(err) == 0
@@ -174,7 +177,7 @@ def _register(ptr: int, nbytes: int) -> bool:
 def _unregister(ptr: int) -> None:
     import torch
 
-    err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+    err = int(torch.cuda.cudart().cudaHostUnregister(ptr))  # type: ignore[no-untyped-call]
     if err != 0:
         raise CapacityError(f"cudaHostUnregister failed with CUDA error {err}")
 

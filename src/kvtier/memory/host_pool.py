@@ -16,13 +16,16 @@ transfer layer read and write page bytes of ids they were handed. Nothing here b
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import ConfigError, LayoutMismatch, StoreClosed
 from kvtier.layout import KVLayout
 from kvtier.memory.allocator import PageAllocator
 from kvtier.memory.host_bytes import HostBytes, allocate_host_bytes
 from kvtier.memory.pinned import PinnedBudget
+
+if TYPE_CHECKING:
+    import torch
 
 HOST_LAYOUTS: tuple[str, ...] = ("page_first", "layer_first")
 
@@ -53,9 +56,11 @@ class HostPool:
 
     # ---- the buffer --------------------------------------------------------------------------
     @property
-    def buffer(self) -> Any:
+    def buffer(self) -> torch.Tensor:
         """The flat uint8 tensor holding every page (``num_pages * page_bytes`` bytes)."""
-        return self._live().tensor
+        tensor = self._live().tensor
+        assert tensor is not None, "a live pool's bytes are open"
+        return tensor
 
     @property
     def pinned(self) -> bool:
@@ -78,7 +83,7 @@ class HostPool:
             raise StoreClosed("the host pool is closed")
         return self._host
 
-    def shaped(self) -> Any:
+    def shaped(self) -> torch.Tensor:
         """The buffer viewed in its layout's shape (see the module docstring)."""
         buf = self.buffer
         if self.host_layout == "page_first":
@@ -96,12 +101,12 @@ class HostPool:
             return page * self.page_bytes + (layer * lay.parts + part) * lay.part_bytes
         return (layer * self.num_pages + page) * lay.layer_bytes + part * lay.part_bytes
 
-    def part(self, page: int, layer: int, part: int) -> Any:
+    def part(self, page: int, layer: int, part: int) -> torch.Tensor:
         """A uint8 view of one part (``part_bytes``) of ``page``; contiguous in both layouts."""
         start = self.part_offset(page, layer, part)
         return self.buffer[start:start + self.layout.part_bytes]
 
-    def page(self, page: int) -> Any:
+    def page(self, page: int) -> torch.Tensor:
         """A uint8 view of ``page`` in canonical order (``page_first`` pools only)."""
         if self.host_layout != "page_first":
             raise LayoutMismatch(
@@ -115,7 +120,7 @@ class HostPool:
             raise IndexError(f"host page {page} outside [0, {self.num_pages})")
 
     # ---- canonical copies --------------------------------------------------------------------
-    def copy_page_out(self, page: int, dst: Any) -> None:
+    def copy_page_out(self, page: int, dst: torch.Tensor) -> None:
         """Copy ``page``'s canonical bytes into ``dst`` (a uint8 tensor of ``page_bytes``)."""
         self._check_dst(dst)
         if self.host_layout == "page_first":
@@ -125,7 +130,7 @@ class HostPool:
         lay = self.layout
         dst.view(lay.num_layers, lay.layer_bytes).copy_(self.shaped()[:, page])
 
-    def copy_page_in(self, page: int, src: Any) -> None:
+    def copy_page_in(self, page: int, src: torch.Tensor) -> None:
         """Write canonical bytes ``src`` (a uint8 tensor of ``page_bytes``) into ``page``."""
         self._check_dst(src)
         if self.host_layout == "page_first":
@@ -135,7 +140,7 @@ class HostPool:
         lay = self.layout
         self.shaped()[:, page].copy_(src.view(lay.num_layers, lay.layer_bytes))
 
-    def _check_dst(self, tensor: Any) -> None:
+    def _check_dst(self, tensor: torch.Tensor) -> None:
         import torch
 
         if (tensor.dtype != torch.uint8 or tensor.numel() != self.page_bytes

@@ -135,16 +135,3 @@ class PinnedBudget:
             return {"limit_bytes": self._limit, "held_bytes": self._held,
                     "available_bytes": self._limit - self._held, "peak_bytes": self._peak,
                     "refused_total": self._refused, "owners": owners}
-
-
-_BUFFER_NAMES = ("HOST_ALIGN_BYTES", "HostBytes", "aligned_empty", "allocate_host_bytes",
-                 "cuda_present", "resolve_pin")
-
-
-def __getattr__(name: str) -> Any:
-    """Buffer helpers moved to ``host_bytes``; the old import path keeps working."""
-    if name in _BUFFER_NAMES:
-        from kvtier.memory import host_bytes
-
-        return getattr(host_bytes, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -72,6 +72,7 @@ class ReadRing:
                                                            pin)
         self._free: list[int] = list(range(slots - 1, -1, -1))
         base = self._host.tensor
+        assert base is not None, "freshly allocated bytes are open"
         self._views = [base[i * self.slot_stride:i * self.slot_stride + page_bytes]
                        for i in range(slots)]
         self._lock = threading.Lock()

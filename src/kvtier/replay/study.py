@@ -137,7 +137,7 @@ def savings(results: Sequence[ReplayResult]) -> list[dict[str, Any]]:
 def run_study(trace: Trace, out_dir: str | Path, progress: bool = True,
               shape: synthetic.Shape | None = None) -> dict[str, Any]:
     """Run every part of the study on ``trace`` and write the report files."""
-    from kvtier.commands.bench_replay import progress_bar
+    from kvtier.replay.progress import progress_bar
     from kvtier.replay.report import study_tables, write_plot
 
     def bar(t: Trace, label: str) -> Any:

@@ -15,9 +15,9 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+from kvtier.admin.bindings import SwapFailed
+from kvtier.admin.reconfig_support import Busy, NotAttached, Unsupported
 from kvtier.config import KvtierConfig
-from kvtier.controller.bindings import SwapFailed
-from kvtier.controller.reconfig_support import Busy, NotAttached, Unsupported
 from kvtier.engine.engine_calls import EngineStopped
 from kvtier.errors import ConfigError, LayoutMismatch, StoreClosed, StoreUnavailable
 from kvtier.serve.errors import APIError
@@ -75,7 +75,7 @@ class AdminOps:
         if tiered is None:
             raise Busy("the cache is off (cache.enabled=false): there is no storage to manage")
         if self._admin is None:
-            from kvtier.controller.reconfig import StorageAdmin
+            from kvtier.admin.reconfig import StorageAdmin
 
             prefix = self.service.prefix_cache
             self._admin = StorageAdmin(tiered, self.config, engine_holds=lambda: prefix.pool)
@@ -129,7 +129,7 @@ class AdminOps:
         return await self.on_engine(lambda: self.storage_admin().flush())
 
     async def rebuild_host(self, pool_bytes: int) -> dict[str, Any]:
-        from kvtier.controller.host_rebuild import rebuild_host_pool
+        from kvtier.admin.host_rebuild import rebuild_host_pool
 
         def change() -> dict[str, Any]:
             self.require_idle("rebuild the host pool")

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -50,6 +50,10 @@ from kvtier.transfer.plan import (
     make_plan,
 )
 from kvtier.transfer.reference import reference_copy
+
+if TYPE_CHECKING:
+    from kvtier.memory.device_pool import DevicePool
+    from kvtier.memory.host_pool import HostPool
 
 #: Grid cap of layer-by-layer loads (when no ``load_config`` is given).
 LAYERWISE_LOAD_PROGRAMS = 16
@@ -128,7 +132,8 @@ class CopyEngine:
     shape; a grid cap below the chip lets a load and a store share it.
     """
 
-    def __init__(self, device_pool: Any, host_pool: Any, *, use_kernels: bool | None = None,
+    def __init__(self, device_pool: DevicePool, host_pool: HostPool, *,
+                 use_kernels: bool | None = None,
                  load_config: Any = None, store_config: Any = None, path: str = "kernel",
                  staging_bytes: int = 64 << 20, batch_copy: Any = None) -> None:
         if device_pool.layout != host_pool.layout:
@@ -148,8 +153,8 @@ class CopyEngine:
             from kvtier.transfer.kernels import KernelConfig
 
             self._layerwise_config = KernelConfig(max_programs=LAYERWISE_LOAD_PROGRAMS)
-        self._streams = ({"load": torch.cuda.Stream(self._device),
-                          "store": torch.cuda.Stream(self._device)} if on_cuda else {})
+        self._streams = ({direction: _stream(self._device) for direction in ("load", "store")}
+                         if on_cuda else {})
         self._counts = {"load": [0, 0, 0], "store": [0, 0, 0]}  # batches, pages, bytes
         self._staged: dict[str, Any] = {}
         self.path_fallback = ""
@@ -173,6 +178,16 @@ class CopyEngine:
             self._device_pool.kv, self._host_pool.buffer, self._host_geo,
             torch.empty(staging_bytes, dtype=torch.uint8, device=self._device), batch,
             self._configs[direction]) for direction in ("load", "store")}, ""
+
+    @property
+    def device_pool(self) -> DevicePool:
+        """The ``DevicePool`` this engine copies to and from (read-only)."""
+        return self._device_pool
+
+    @property
+    def host_pool(self) -> HostPool:
+        """The ``HostPool`` this engine copies to and from (read-only)."""
+        return self._host_pool
 
     @property
     def path(self) -> str:
@@ -258,7 +273,7 @@ class CopyEngine:
                     part = _with_layers(plan, start, count)
                     reference_copy(part, self._device_pool.kv, self._host_pool.buffer,
                                    self._host_pool.host_layout)
-                event = torch.cuda.Event()
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch: untyped
                 event.record(stream)
                 events.append(event)
         return events
@@ -281,3 +296,7 @@ def _with_layers(plan: CopyPlan, start: int, count: int) -> CopyPlan:
     if (start, count) == (plan.layer_start, plan.layer_count):
         return plan
     return CopyPlan(plan.direction, plan.src, plan.dst, plan.src_ids, plan.dst_ids, start, count)
+
+
+def _stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]  # torch: untyped

@@ -139,7 +139,9 @@ def layer_range(layers: int | Sequence[int] | range | None, num_layers: int) -> 
     """``(start, count)`` of a contiguous layer range: None (all), an int, or a range/sequence."""
     if layers is None:
         return 0, num_layers
-    if isinstance(layers, (int, np.integer)) and not isinstance(layers, bool):
+    if isinstance(layers, bool):
+        raise TypeError(f"layers must be an int, a sequence of ints or None, got {layers!r}")
+    if isinstance(layers, (int, np.integer)):
         start, stop = int(layers), int(layers) + 1
     else:
         seq = list(layers)

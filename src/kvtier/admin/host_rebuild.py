@@ -19,15 +19,20 @@ the store tiers unbound since they only talk to the host tier): logged, counted,
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvtier.controller.bindings import Later, check_host_shape
-from kvtier.controller.reconfig_support import STORE_TIERS, Busy, Unsupported
-from kvtier.index.residency import TIER_INDEX
+from kvtier.admin.bindings import Later, check_host_shape
+from kvtier.admin.reconfig_support import STORE_TIERS, Busy, Unsupported
+from kvtier.controller.wiring import bind_host_pool
+
+if TYPE_CHECKING:
+    from kvtier.admin.reconfig import StorageAdmin
+    from kvtier.memory.host_pool import HostPool
+    from kvtier.memory.pinned import PinnedBudget
 
 
-def rebuild_host_pool(admin: Any, *, pool_bytes: int | None = None,
-                      new_pool: Any = None) -> dict[str, Any]:
+def rebuild_host_pool(admin: StorageAdmin, *, pool_bytes: int | None = None,
+                      new_pool: HostPool | None = None) -> dict[str, Any]:
     """Replace the host pool by one of ``pool_bytes`` (or by ``new_pool``); see the module
     docstring. Returns old and new page counts and the new generation."""
     ctx, cache = admin.ctx, admin.cache
@@ -43,32 +48,41 @@ def rebuild_host_pool(admin: Any, *, pool_bytes: int | None = None,
         if pages < 1:
             raise Unsupported(f"pool_bytes {pool_bytes} holds no page of {old.page_bytes} bytes")
         need = pages * old.page_bytes
+        if cache.pinned_budget is None:
+            raise Unsupported("this cache has no pinned budget to lease a new host pool from; "
+                              "pass new_pool")
         _check_budget(cache.pinned_budget, need, old)
     _empty_host_tier(admin)
-    box: dict[str, Any] = {"pool": new_pool}
+    box: dict[str, HostPool | None] = {"pool": new_pool}
     first_close = need > _available(cache.pinned_budget)
 
     def build() -> None:
         if first_close:
             old.close()
         if box["pool"] is None:
+            assert cache.pinned_budget is not None  # checked above
             box["pool"] = _new_pool(old, need // old.page_bytes, cache.pinned_budget)
 
+    def built() -> HostPool:
+        pool = box["pool"]
+        assert pool is not None, "the build step ran first"
+        return pool
+
     binding = admin.table.swap(
-        "host_pool", Later(lambda: (box["pool"], {"allocator": box["pool"].allocator})),
-        [build, lambda: _point_readers(admin, box["pool"]), lambda: _close(old)],
+        "host_pool", Later(lambda: (built(), {"allocator": built().allocator})),
+        [build, lambda: bind_host_pool(admin.ctx, box["pool"], admin.config), lambda: _close(old)],
         lambda: _disable_host(admin, box.get("pool")),
         detail="rebuilt")
-    pool = box["pool"]
+    pool = built()
     return {"old_pages": old.num_pages, "new_pages": pool.num_pages,
             "page_bytes": pool.page_bytes, "generation": binding.generation}
 
 
-def _available(budget: Any) -> int:
+def _available(budget: PinnedBudget | None) -> int:
     return int(budget.stats()["available_bytes"]) if budget is not None else 1 << 62
 
 
-def _check_budget(budget: Any, need: int, old: Any) -> None:
+def _check_budget(budget: PinnedBudget | None, need: int, old: HostPool) -> None:
     if budget is None:
         return
     room = _available(budget) + old.num_pages * old.page_bytes
@@ -77,7 +91,7 @@ def _check_budget(budget: Any, need: int, old: Any) -> None:
                    "are free with the old pool given back (raise host.pinned_budget_bytes)")
 
 
-def _empty_host_tier(admin: Any) -> None:
+def _empty_host_tier(admin: StorageAdmin) -> None:
     ctx, controller = admin.ctx, admin.controller
     if not controller.drain(ctx.config.job_deadline_s):
         raise Busy("copies or IO jobs are still in flight; retry")
@@ -88,53 +102,25 @@ def _empty_host_tier(admin: Any) -> None:
                    "copies or jobs); retry when the server is idle")
 
 
-def _new_pool(old: Any, pages: int, budget: Any) -> Any:
+def _new_pool(old: HostPool, pages: int, budget: PinnedBudget) -> HostPool:
     from kvtier.memory import HostPool
 
     return HostPool(old.layout, pages, budget, host_layout=old.host_layout)
 
 
-def _point_readers(admin: Any, pool: Any) -> None:
-    from kvtier.memory.admission import WriteAdmission, staging_capacity_pages
-    from kvtier.transfer import CopyEngine
-
-    ctx, config = admin.ctx, admin.config
-    share = config.host.prefetch_share
-    ctx.host_pool = pool
-    ctx.index.ledgers[TIER_INDEX["host"]].allocator = pool.allocator
-    ctx.copy = CopyEngine(ctx.device_pool, pool, path=config.host.copy_path,
-                          staging_bytes=config.host.copy_staging_bytes)
-    if ctx.workers is not None:
-        from kvtier.controller.workers import IOWorkers
-
-        ctx.workers.close()
-        ctx.workers = IOWorkers(pool, config.controller.io_workers, config.controller.io_queue_depth)
-    if ctx.admission is not None:
-        ctx.admission = WriteAdmission.for_host_pool(pool.num_pages, share)
-    prefetcher = admin.controller.prefetcher
-    prefetcher.landing_cap = pool.num_pages - staging_capacity_pages(pool.num_pages, share)
-    prefetcher.landing = 0
-
-
-def _close(pool: Any) -> None:
+def _close(pool: HostPool) -> None:
     if not pool.closed:
         pool.close()
 
 
-def _disable_host(admin: Any, new_pool: Any) -> None:
+def _disable_host(admin: StorageAdmin, new_pool: HostPool | None) -> None:
     """Leave no reader holding any host pool, and unbind the stores (they need the host)."""
     ctx, table = admin.ctx, admin.table
-    if ctx.workers is not None:
-        ctx.workers.close()
-        ctx.workers = None
-    for pool in (ctx.host_pool, new_pool):
+    pools = (ctx.host_pool, new_pool)
+    bind_host_pool(ctx, None, admin.config)   # the IO workers stop before their pool closes
+    for pool in pools:
         if pool is not None:
             _close(pool)
-    ctx.host_pool = None
-    ctx.copy = None
-    ctx.admission = None
-    ctx.index.ledgers[TIER_INDEX["host"]].allocator = None
-    admin.controller.prefetcher.landing_cap = 0
     for tier in STORE_TIERS:
         store = ctx.stores.get(tier)
         if store is not None:

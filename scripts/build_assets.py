@@ -3,7 +3,7 @@
 Owns the recipe behind the embedded default model: a byte-level BPE tokenizer trained on the
 docstrings of the Python standard library (present on every machine, so the recipe needs no
 download), and small Llama and Qwen2 configs sized to it. The shipped files are the artifact;
-run ``python -m kvtier.engine.build_assets`` only to change them. Main thread, offline.
+run ``python scripts/build_assets.py [TARGET]`` only to change them. Main thread, offline.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-ASSETS = Path(__file__).with_name("assets")
+ASSETS = Path(__file__).resolve().parents[1] / "src" / "kvtier" / "engine" / "assets"
 VOCAB_SIZE = 1024
 CORPUS_LIMIT_BYTES = 6 << 20
 SPECIAL_TOKENS = ("<|bos|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>")

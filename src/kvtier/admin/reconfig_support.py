@@ -16,6 +16,8 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from kvtier.config import KvtierConfig, redact_url
 from kvtier.errors import KvtierError
+from kvtier.layout import KVLayout
+from kvtier.store.base import PageStore
 
 STORE_TIERS = ("disk", "remote")
 TIER_SCHEMES = {"disk": ("file", "memory"), "remote": ("redis", "rediss", "memory")}
@@ -34,11 +36,11 @@ class Unsupported(KvtierError, ValueError):
     """The request cannot be met as asked (the message says why and what to do instead)."""
 
 
-def open_tier_store(config: KvtierConfig, layout: Any, tier: str, url: str,
-                    max_bytes: int | None = None) -> Any:
+def open_tier_store(config: KvtierConfig, layout: KVLayout, tier: str, url: str,
+                    max_bytes: int | None = None) -> PageStore:
     """Open ``url`` for ``tier``: the config's defaults for that tier, then the URL's query,
     then ``max_bytes``. Raises ``Unsupported`` for a scheme the tier does not take."""
-    from kvtier.cache import _open_stores
+    from kvtier.controller.wiring import open_stores
     from kvtier.store import open_store
 
     if tier not in TIER_SCHEMES:
@@ -58,7 +60,7 @@ def open_tier_store(config: KvtierConfig, layout: Any, tier: str, url: str,
     if max_bytes is not None:
         fields["disk_max_bytes"] = max_bytes
     tier_config = dataclasses.replace(config, store=dataclasses.replace(config.store, **fields))
-    return _open_stores(tier_config, layout)[tier]
+    return open_stores(tier_config, layout)[tier]
 
 
 def redact_store_url(url: str) -> str:
@@ -72,7 +74,7 @@ def redact_store_url(url: str) -> str:
     return parts._replace(query=urlencode(pairs, safe="*")).geturl()
 
 
-def describe_url(store: Any) -> str:
+def describe_url(store: PageStore) -> str:
     """A store's URL with secrets redacted, as far as the store lets us know it."""
     url = getattr(store, "url", None)
     if url:
@@ -83,7 +85,7 @@ def describe_url(store: Any) -> str:
     return f"{getattr(store, 'scheme', 'store')}://{getattr(store, 'name', '') or ''}"
 
 
-def usage_and_health(store: Any) -> dict[str, Any]:
+def usage_and_health(store: PageStore) -> dict[str, Any]:
     """Backend, pages, bytes, cap and counters of a store, and whether it answers."""
     try:
         stats = store.stats()
@@ -105,12 +107,13 @@ class Paused:
     """Take a store out of ``stores`` for a block (no new job starts on it); put it back after
     the block if the block failed, or always when ``restore`` is set."""
 
-    def __init__(self, stores: dict[str, Any], tier: str, store: Any, restore: bool) -> None:
+    def __init__(self, stores: dict[str, PageStore], tier: str, store: PageStore,
+                 restore: bool) -> None:
         self.stores, self.tier, self.store, self.restore = stores, tier, store, restore
 
     def __enter__(self) -> None:
         self.stores.pop(self.tier, None)
 
-    def __exit__(self, exc_type: Any, *_: Any) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         if exc_type is not None or self.restore:
             self.stores[self.tier] = self.store

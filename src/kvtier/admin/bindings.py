@@ -22,9 +22,13 @@ import logging
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import KvtierError, LayoutMismatch
+
+if TYPE_CHECKING:
+    from kvtier.memory.device_pool import DevicePool
+    from kvtier.memory.host_pool import HostPool
 
 log = logging.getLogger("kvtier.bindings")
 
@@ -159,7 +163,7 @@ class BindingTable:
         return None
 
     # ---- swapping ------------------------------------------------------------------------
-    def swap(self, slot: str, new: Any, steps: Sequence[Callable[[], None]],
+    def swap(self, slot: str, new: Any, steps: Sequence[Callable[[], object]],
              disable: Callable[[], None], *, facets: dict[str, Any] | None = None,
              detail: str = "") -> Binding:
         """Run ``steps`` (each rebinds readers to ``new``, or builds it when ``new`` is a
@@ -203,7 +207,7 @@ class BindingTable:
                 "incoherent_total": self.incoherent_total}
 
 
-def check_host_shape(host_pool: Any, device_pool: Any) -> None:
+def check_host_shape(host_pool: HostPool, device_pool: DevicePool) -> None:
     """Raise ``LayoutMismatch`` naming every difference between a host pool's page layout and
     the device pool's (the copy engine moves whole parts between them)."""
     host, device = host_pool.layout, device_pool.layout

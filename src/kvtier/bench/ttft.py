@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvtier.bench.coldcache import drop_page_cache
 from kvtier.config import KvtierConfig
-from kvtier.engine.coldcache import drop_page_cache
 from kvtier.engine.hf import CausalLM
 from kvtier.engine.request import GenerationRequest
 from kvtier.engine.service import EngineService

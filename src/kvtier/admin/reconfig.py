@@ -26,11 +26,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvtier.config import KvtierConfig
-from kvtier.controller.bindings import ABSENT, BindingTable, Reader
-from kvtier.controller.reconfig_support import (
+from kvtier.admin.bindings import ABSENT, BindingTable, Reader
+from kvtier.admin.reconfig_support import (
     STORE_TIERS,
     Busy,
     NotAttached,
@@ -41,7 +40,14 @@ from kvtier.controller.reconfig_support import (
     redact_store_url,
     usage_and_health,
 )
-from kvtier.index.residency import TIER_INDEX
+from kvtier.config import KvtierConfig
+from kvtier.controller.jobs import Job
+from kvtier.controller.wiring import bind_store
+from kvtier.index.residency import TIER_INDEX, Allocator
+from kvtier.store.base import PageStore
+
+if TYPE_CHECKING:
+    from kvtier.cache import TieredCache
 
 __all__ = ["Busy", "NotAttached", "StorageAdmin", "Unsupported"]
 
@@ -49,7 +55,7 @@ __all__ = ["Busy", "NotAttached", "StorageAdmin", "Unsupported"]
 class StorageAdmin:
     """See the module docstring."""
 
-    def __init__(self, cache: Any, config: KvtierConfig, *,
+    def __init__(self, cache: TieredCache, config: KvtierConfig, *,
                  engine_holds: Callable[[], Any] | None = None) -> None:
         self.cache = cache
         self.ctx = cache.ctx
@@ -57,7 +63,7 @@ class StorageAdmin:
         self.config = config
         self.table = BindingTable()
         self.urls: dict[str, str] = {}
-        self._marks: dict[str, Any] = {}     # store tier -> the store the index's marks describe
+        self._marks: dict[str, PageStore | None] = {}  # tier -> the store the index's marks describe
         self._bind_initial()
         self._register_readers(engine_holds)
         self.table.assert_coherent()
@@ -81,37 +87,41 @@ class StorageAdmin:
         ctx, add = self.ctx, self.table.register
         add(Reader("controller", "device_pool", lambda: ctx.device_pool))
         add(Reader("index", "device_pool", lambda: self._allocator("device"), "allocator"))
-        add(Reader("copy_engine", "device_pool", lambda: _held(ctx.copy, "_device_pool")))
+        add(Reader("copy_engine", "device_pool",
+                   lambda: ABSENT if ctx.copy is None else ctx.copy.device_pool))
         if engine_holds is not None:
             add(Reader("engine", "device_pool", engine_holds, "kv"))
         add(Reader("controller", "host_pool", lambda: ctx.host_pool))
         add(Reader("index", "host_pool", lambda: self._allocator("host"), "allocator"))
         add(Reader("copy_engine", "host_pool",
-                   lambda: None if ctx.copy is None else _held(ctx.copy, "_host_pool")))
-        add(Reader("io_workers", "host_pool", lambda: ABSENT if ctx.workers is None
-                   else _held(getattr(ctx.workers, "_host", None), "pool")))
+                   lambda: None if ctx.copy is None else ctx.copy.host_pool))
+        add(Reader("io_workers", "host_pool",
+                   lambda: ABSENT if ctx.workers is None else ctx.workers.host_pool))
         for tier in STORE_TIERS:
-            slot = self.slot(tier)
-            add(Reader("controller", slot, lambda t=tier: ctx.stores.get(t)))
-            add(Reader("io_jobs", slot, lambda t=tier: self._live_job_store(t)))
-            add(Reader("index", slot, lambda t=tier: self._marks.get(t)
-                       if self.ctx.index.sizes(t).resident else ABSENT))
+            self._register_store_readers(tier)
+
+    def _register_store_readers(self, tier: str) -> None:
+        ctx, slot, add = self.ctx, self.slot(tier), self.table.register
+        add(Reader("controller", slot, lambda: ctx.stores.get(tier)))
+        add(Reader("io_jobs", slot, lambda: self._live_job_store(tier)))
+        add(Reader("index", slot, lambda: self._marks.get(tier)
+                   if ctx.index.sizes(tier).resident else ABSENT))
 
     @staticmethod
     def slot(tier: str) -> str:
         return f"store.{tier}"
 
-    def _allocator(self, tier: str) -> Any:
+    def _allocator(self, tier: str) -> Allocator | None:
         return self.ctx.index.ledgers[TIER_INDEX[tier]].allocator
 
-    def _live_job_store(self, tier: str) -> Any:
+    def _live_job_store(self, tier: str) -> object:
         """The store a queued or running IO job of ``tier`` uses (ABSENT: no such job)."""
         for task in list(self.controller.backups.tasks.values()):
             if task.job.tier == tier and not task.job.is_done():
                 return task.job.store
-        for task in list(self.controller.prefetcher.tasks.values()):
-            if not task.job.is_done():
-                for segment in task.job.segments:
+        for prefetch in list(self.controller.prefetcher.tasks.values()):
+            if not prefetch.job.is_done():
+                for segment in prefetch.job.segments:
                     if segment.tier == tier:
                         return segment.store
         return ABSENT
@@ -149,10 +159,9 @@ class StorageAdmin:
             store.close()
 
         binding = self.table.swap(self.slot(tier), store, [
-            self._ensure_workers,
             lambda: self._reset_marks(tier, store),
             lambda: self.controller.backups.in_flight.setdefault(tier, set()),
-            lambda: self.ctx.stores.__setitem__(tier, store),
+            lambda: bind_store(self.ctx, tier, store, self.config),
         ], disable, detail=shown)
         self.urls[tier] = shown
         return {"tier": tier, "attached": shown, "generation": binding.generation}
@@ -180,14 +189,15 @@ class StorageAdmin:
 
     def clear(self, tier: str, wait_s: float | None = None) -> dict[str, Any]:
         store = self._attached(tier)
-        if not callable(getattr(store, "clear", None)):
+        clear = getattr(store, "clear", None)
+        if not callable(clear):
             raise Unsupported(f"the {store.scheme} backend of the {tier} tier cannot be cleared "
                               "from kvtier (a shared server may hold other users' keys); expire "
                               "or delete its keys on the server")
         with self._paused(tier, store, restore_on_success=True):
             cancelled = self._quiesce(tier, wait_s)
             before = store.stats().pages
-            store.clear()
+            clear()
             self._reset_marks(tier, store)
         self.table.assert_coherent(self.slot(tier))
         return {"tier": tier, "pages_before": before, "pages_after": store.stats().pages,
@@ -196,7 +206,7 @@ class StorageAdmin:
     def flush(self) -> dict[str, Any]:
         return {"dropped_pages": self.cache.flush()}
 
-    def store_to_resize(self, tier: str) -> Any:
+    def store_to_resize(self, tier: str) -> PageStore:
         """The attached store of ``tier`` (engine thread); ``resize`` then runs anywhere."""
         store = self._attached(tier)
         if not callable(getattr(store, "resize", None)):
@@ -220,27 +230,14 @@ class StorageAdmin:
         if tier not in STORE_TIERS:
             raise Unsupported(f"tier must be one of {', '.join(STORE_TIERS)}, got {tier!r}")
 
-    def _attached(self, tier: str) -> Any:
+    def _attached(self, tier: str) -> PageStore:
         self._check_tier(tier)
         store = self.ctx.stores.get(tier)
         if store is None:
             raise NotAttached(f"no store is attached to the {tier} tier")
         return store
 
-    def _ensure_workers(self) -> None:
-        ctx = self.ctx
-        if ctx.workers is None:
-            from kvtier.controller.workers import IOWorkers
-
-            ctrl = self.config.controller
-            ctx.workers = IOWorkers(ctx.host_pool, ctrl.io_workers, ctrl.io_queue_depth)
-        if ctx.admission is None:
-            from kvtier.memory import WriteAdmission
-
-            ctx.admission = WriteAdmission.for_host_pool(ctx.host_pool.num_pages,
-                                                         self.config.host.prefetch_share)
-
-    def _reset_marks(self, tier: str, owner: Any) -> None:
+    def _reset_marks(self, tier: str, owner: PageStore | None) -> None:
         """Forget what the index believes ``tier`` holds; the marks now describe ``owner``."""
         self.ctx.index.clear(tier)
         self._marks[tier] = owner
@@ -251,12 +248,13 @@ class StorageAdmin:
         self.ctx.index.clear(tier)
         self._marks[tier] = None
 
-    def _paused(self, tier: str, store: Any, *, restore_on_success: bool) -> Paused:
+    def _paused(self, tier: str, store: PageStore, *, restore_on_success: bool) -> Paused:
         return Paused(self.ctx.stores, tier, store, restore_on_success)
 
     def _quiesce(self, tier: str, wait_s: float | None) -> int:
         """Cancel the IO jobs using ``tier`` and wait until none runs; returns jobs cancelled."""
-        jobs = [t.job for t in self.controller.backups.tasks.values() if t.job.tier == tier]
+        jobs: list[Job] = [t.job for t in self.controller.backups.tasks.values()
+                           if t.job.tier == tier]
         jobs += [t.job for t in self.controller.prefetcher.tasks.values()
                  if any(s.tier == tier for s in t.job.segments)]
         live = [job for job in jobs if not job.is_done()]
@@ -273,6 +271,3 @@ class StorageAdmin:
         self.controller.poll()
         return len(live)
 
-
-def _held(holder: Any, attribute: str) -> Any:
-    return ABSENT if holder is None else getattr(holder, attribute, ABSENT)

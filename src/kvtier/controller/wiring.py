@@ -1,0 +1,110 @@
+"""Wiring of a host pool and of stores into a cache's shared state, for building and for changes.
+
+Owns ``open_stores`` (the stores a config names, with its defaults for each tier), and the two
+binding functions that every path uses: ``TieredCache.build`` when it builds a cache, and the
+admin operations (``kvtier.admin``) when they attach a store or rebuild the host pool on a live
+one.
+
+- ``bind_host_pool(ctx, pool, config)`` points every reader of the host pool at ``pool`` (None:
+  host tier off): the context, the index's host allocator, a new copy engine, the IO workers
+  (restarted on the new pool when they ran) and the write admission sized from it.
+- ``bind_store(ctx, tier, store, config)`` puts ``store`` on ``tier``, starting the IO workers
+  and the write admission when they do not run yet (a store only talks to the host tier, so a
+  cache without one refuses it).
+
+Engine thread only (building, or a change with the engine idle).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qsl, urlsplit
+
+from kvtier.config import KvtierConfig
+from kvtier.controller.context import CacheContext
+from kvtier.errors import ConfigError
+from kvtier.index.residency import TIER_INDEX
+from kvtier.layout import KVLayout
+from kvtier.store.base import PageStore
+
+if TYPE_CHECKING:
+    from kvtier.memory.host_pool import HostPool
+
+
+def bind_host_pool(ctx: CacheContext, pool: HostPool | None, config: KvtierConfig) -> None:
+    """Point the context, the index, the copy engine, the IO workers and the write admission at
+    ``pool`` (or turn all of them off with None)."""
+    from kvtier.controller.workers import IOWorkers
+    from kvtier.memory.admission import WriteAdmission
+    from kvtier.transfer import CopyEngine
+
+    restart_workers = ctx.workers is not None
+    if ctx.workers is not None:
+        ctx.workers.close()
+        ctx.workers = None
+    ctx.host_pool = pool
+    ctx.index.ledgers[TIER_INDEX["host"]].allocator = None if pool is None else pool.allocator
+    if pool is None:
+        ctx.copy = ctx.admission = None
+        return
+    host = config.host
+    ctx.copy = CopyEngine(ctx.device_pool, pool, path=host.copy_path,
+                          staging_bytes=host.copy_staging_bytes)
+    if restart_workers or ctx.stores:
+        ctrl = config.controller
+        ctx.workers = IOWorkers(pool, ctrl.io_workers, ctrl.io_queue_depth)
+        ctx.admission = WriteAdmission.for_host_pool(pool.num_pages, host.prefetch_share)
+    else:
+        ctx.admission = None
+
+
+def bind_store(ctx: CacheContext, tier: str, store: PageStore, config: KvtierConfig) -> None:
+    """Serve ``tier`` from ``store``; start the IO workers and the write admission if needed."""
+    from kvtier.controller.workers import IOWorkers
+    from kvtier.memory.admission import WriteAdmission
+
+    pool = ctx.host_pool
+    if pool is None:
+        raise ConfigError(f"store.{tier}", store.scheme, "a host tier (host.pool_bytes > 0): "
+                          "stores exchange pages with the host tier only")
+    if ctx.workers is None:
+        ctrl = config.controller
+        ctx.workers = IOWorkers(pool, ctrl.io_workers, ctrl.io_queue_depth)
+    if ctx.admission is None:
+        ctx.admission = WriteAdmission.for_host_pool(pool.num_pages, config.host.prefetch_share)
+    ctx.stores[tier] = store
+
+
+def open_stores(config: KvtierConfig, layout: KVLayout) -> dict[str, PageStore]:
+    """The disk and remote stores ``config.store`` names, opened with the config's options for
+    each (an option the URL's query sets itself wins). Closes what it opened if one fails."""
+    from kvtier.store import open_store
+
+    out: dict[str, PageStore] = {}
+    store = config.store
+    try:
+        if store.disk_url:
+            options: dict[str, Any] = {"max_bytes": store.disk_max_bytes}
+            if urlsplit(store.disk_url).scheme == "file":
+                options["min_free_bytes"] = store.disk_min_free_bytes
+            out["disk"] = open_store(store.disk_url, page_bytes=layout.page_bytes,
+                                     **_not_in_query(store.disk_url, options))
+        if store.remote_url:
+            options = {"timeout_s": store.remote_timeout_s}
+            if store.remote_ttl_s:
+                options["ttl_s"] = store.remote_ttl_s
+            if urlsplit(store.remote_url).scheme == "memory":
+                options = {}
+            out["remote"] = open_store(store.remote_url, page_bytes=layout.page_bytes,
+                                       **_not_in_query(store.remote_url, options))
+    except BaseException:
+        for opened in out.values():
+            opened.close()
+        raise
+    return out
+
+
+def _not_in_query(url: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Config values as store options, unless the URL's query sets them itself."""
+    given = {name for name, _ in parse_qsl(urlsplit(url).query)}
+    return {k: v for k, v in options.items() if k not in given}
