@@ -175,9 +175,9 @@ class IndexRig:
 
 
 def run_ttft(requests: int) -> dict[str, Any]:
+    from kvtier.bench.ttft import ttft
     from kvtier.engine.hf import load_model
     from kvtier.engine.service import EngineService
-    from kvtier.engine.ttft import ttft
 
     lm = load_model("tiny-llama", device="cpu", dtype="float32", seed=0)
     services, slow = {}, None

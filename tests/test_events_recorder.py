@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from cache_support import LAYOUT, P, make_cache, prompt, serve, store_keys
 from events_support import apply_event, index_view, new_view, plain
+from kvtier.admin.reconfig import StorageAdmin
 from kvtier.config import build_config
-from kvtier.controller.reconfig import StorageAdmin
 from kvtier.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventFeed
 from kvtier.events.blocks import key_hash
 from kvtier.events.encode import event_map

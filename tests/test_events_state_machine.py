@@ -19,8 +19,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from cache_support import LAYOUT, P, make_cache, serve
 from events_support import apply_payload, index_view, new_view, plain
+from kvtier.admin.reconfig import StorageAdmin
 from kvtier.config import build_config
-from kvtier.controller.reconfig import StorageAdmin
 from kvtier.errors import PoolExhausted
 from kvtier.events import KVEventFeed
 from kvtier.events.encode import encode_batch

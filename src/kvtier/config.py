@@ -335,8 +335,9 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         if f.metadata.get("alias"):
             names.append(f.metadata["alias"])
         choices = f.metadata.get("choices")
-        shown = "***" if f.metadata.get("secret") and f.default else f.default
-        shown = format_size(f.default) if f.metadata.get("size") else shown
+        shown: object = "***" if f.metadata.get("secret") and f.default else f.default
+        if f.metadata.get("size") and isinstance(f.default, int):
+            shown = format_size(f.default)
         text = f"{f.metadata['help']} [default: {shown!s}]"
         text += f" {{{', '.join(choices)}}}" if choices else ""
         parser.add_argument(*names, dest=f"cfg:{path}", default=None, metavar="VALUE",
