@@ -16,6 +16,7 @@ from kvtier.layout import ByteRange
 from kvtier.store import open_store
 from kvtier.store.file import FileStore
 from kvtier.store.file_index import split
+from kvtier.store.file_journal import OP_PUT, decode_entries
 from kvtier.store.segment import segment_path
 from store_contract import key_for, page_bytes_for
 
@@ -32,6 +33,13 @@ def _open(path: Path, page: int = PAGE, query: str = "") -> FileStore:
 def _fill(store: FileStore, indexes: range) -> None:
     pages = [page_bytes_for(i, store.page_bytes) for i in indexes]
     assert store.write([key_for(i) for i in indexes], pages) == [True] * len(pages)
+
+
+def _put_entry_at(journal: bytes, i: int) -> int:
+    """Byte offset of the (first) put entry of page ``i`` in a journal's bytes."""
+    entries = list(decode_entries(journal))
+    return 64 * next(n for n, e in enumerate(entries)
+                     if e is not None and e.op == OP_PUT and e.key == key_for(i))
 
 
 def _read(store: FileStore, i: int) -> bytes | None:
@@ -138,7 +146,7 @@ def test_torn_journal_tail_is_cut_and_bad_entries_are_skipped(tmp_path: Path) ->
     store.close()
     journal = tmp_path / "journal.0"
     data = bytearray(journal.read_bytes())
-    data[64 + 20] ^= 0xFF  # damage the second entry (page 1)
+    data[_put_entry_at(data, 1) + 20] ^= 0xFF  # damage the put of page 1
     journal.write_bytes(bytes(data) + b"\x01" * 17)  # and a torn partial entry
     store = _open(tmp_path)
     assert store.contains([key_for(i) for i in range(3)]) == [True, False, True]
@@ -237,7 +245,7 @@ def test_long_journal_replays_in_order_with_deletes_overwrites_and_bad_entries(
     store.close()
     journal = tmp_path / "journal.0"
     data = bytearray(journal.read_bytes())
-    data[64 * 120 + 3] ^= 0xFF  # damage the put of page 120
+    data[_put_entry_at(data, 120) + 3] ^= 0xFF  # damage the put of page 120
     journal.write_bytes(bytes(data))
     reopened = _open(tmp_path)
     expected = set(range(200)) - set(range(50, 60)) - {120} | {55, 56}

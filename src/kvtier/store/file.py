@@ -30,7 +30,7 @@ import errno
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import compress
 from pathlib import Path
 from typing import Any
@@ -50,7 +50,7 @@ from kvtier.store.base import (
 from kvtier.store.file_evict import Evictor
 from kvtier.store.file_index import SLOT_BITS, PageIndex
 from kvtier.store.file_io import RecordIO, plans_of, slot_runs
-from kvtier.store.file_journal import OP_DELETE, OP_PUT, Entry, Journal
+from kvtier.store.file_journal import OP_DELETE, OP_PUT, OP_SEGMENT, Entry, Journal
 from kvtier.store.file_options import FileStoreOptions
 from kvtier.store.record import Verdict
 from kvtier.store.segment import list_segments, load_or_create_manifest
@@ -93,7 +93,7 @@ class FileStore(PageStore):
         except OSError as exc:
             raise StoreUnavailable(f"cannot load the index of {self.root}: {exc}") from None
         self.writer = SegmentWriter(self.segments_dir, self.layout,
-                                    next_id=lambda: self.index.max_seg + 1,
+                                    new_id=self.new_segment_id,
                                     direct=self.options.direct)
         self.evictor = Evictor(self)
         self.evictor.clean_leftovers()
@@ -110,7 +110,7 @@ class FileStore(PageStore):
         for attempt in range(5):
             try:
                 with self._lock:
-                    self.journal.load(self.index.load_rows, self.index.apply)
+                    self.journal.load(self.index.load_snapshot, self.index.apply)
                 break
             except FileNotFoundError:  # a compaction moved on while we loaded: start over
                 if attempt == 4:
@@ -136,12 +136,24 @@ class FileStore(PageStore):
             with self._lock:
                 self.journal.tail(self.index.apply)
 
-    def publish(self, entries: list[Entry]) -> None:
+    def publish(self, entries: list[Entry] | Callable[[], list[Entry]]) -> None:
         """Append ``entries`` to the journal and apply them; raises OSError if nothing was."""
         with self._lock:
             self.journal.append(entries, self.index.apply)
             if self.journal.entries > COMPACT_MIN_ENTRIES + COMPACT_FACTOR * len(self.index.where):
-                self.journal.compact(self.index.rows, self.index.apply)
+                self.journal.compact(self.index.snapshot, self.index.apply)
+
+    def new_segment_id(self) -> int:
+        """An id no segment of this directory ever had, journaled before it is used (so every
+        process, and every later opening, sees it taken); raises OSError."""
+        taken: list[int] = []
+
+        def entry() -> list[Entry]:
+            taken.append(self.index.max_seg + 1)  # caught up under the journal lock
+            return [Entry(OP_SEGMENT, taken[-1])]
+
+        self.publish(entry)
+        return taken[-1]
 
     # ---- the contract --------------------------------------------------------------------
     def contains(self, keys: Sequence[bytes]) -> list[bool]:

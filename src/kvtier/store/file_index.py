@@ -1,8 +1,10 @@
 """The in-memory index of a ``file://`` store handle, rebuilt from the shared journal.
 
 Owns ``PageIndex``: key -> location of the live record (segment id << 32 | slot), the keys put
-into each segment (for eviction), each segment's high-water slot (for disk accounting) and the
-keys read since they were written (the reinsertion bit of FIFO-with-reinsertion). It changes
+into each segment (for eviction), each segment's high-water slot (for disk accounting), the
+keys read since they were written (the reinsertion bit of FIFO-with-reinsertion) and the highest
+segment id the directory ever used (raised by every entry naming a segment and carried through
+snapshots, so an id is never handed out twice). It changes
 only by applying journal entries, in journal order, so every process sharing a directory
 converges on the same mapping. Not thread-safe: ``FileStore`` guards it with its index lock.
 """
@@ -13,7 +15,15 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvtier.store.file_journal import OP_DELETE, OP_EVICT, OP_PUT, SNAPSHOT_DTYPE, Entry
+from kvtier.store.file_journal import (
+    OP_DELETE,
+    OP_EVICT,
+    OP_PUT,
+    OP_SEGMENT,
+    SNAPSHOT_DTYPE,
+    Entry,
+    Snapshot,
+)
 
 SLOT_BITS = 32
 SLOT_MASK = (1 << SLOT_BITS) - 1
@@ -36,7 +46,7 @@ class PageIndex:
         self.seg_slots: dict[int, int] = {}
         self.hot: set[bytes] = set()
         self.total_slots = 0  # sum of seg_slots, kept as a running total
-        self.max_seg = -1
+        self.max_seg = -1  # the highest segment id ever used in the directory
         self._on_evict = on_evict
 
     # ---- journal entries -----------------------------------------------------------------
@@ -47,7 +57,10 @@ class PageIndex:
             self.where.pop(entry.key, None)
             self.hot.discard(entry.key)
         elif entry.op == OP_EVICT:
+            self.max_seg = max(self.max_seg, entry.seg)
             self.drop_segment(entry.seg)
+        elif entry.op == OP_SEGMENT:
+            self.max_seg = max(self.max_seg, entry.seg)
 
     def put(self, key: bytes, seg: int, slot: int) -> None:
         self.where[key] = location(seg, slot)
@@ -77,6 +90,15 @@ class PageIndex:
         return dropped
 
     # ---- snapshots -----------------------------------------------------------------------
+    def load_snapshot(self, rows: np.ndarray, next_seg: int) -> None:
+        """Apply a snapshot: its rows, and the next unused segment id it carries."""
+        self.max_seg = max(self.max_seg, next_seg - 1)
+        self.load_rows(rows)
+
+    def snapshot(self) -> Snapshot:
+        """The live index as a snapshot (rows, next unused segment id)."""
+        return self.rows(), self.max_seg + 1
+
     def load_rows(self, rows: np.ndarray) -> None:
         """Apply puts given as snapshot rows, in order (a snapshot, or a run of journal puts);
         vectorized, so a million rows load in about a second."""

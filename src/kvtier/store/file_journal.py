@@ -1,12 +1,15 @@
 """The index journal of a ``file://`` store directory, shared by every process that opens it.
 
 Owns the on-disk index: ``journal.<gen>`` (fixed 64-byte entries: put, delete, evict-segment,
-seal), ``snapshot.<gen>`` (the live index at the start of generation ``gen``) and ``HEAD`` (the
-current generation). Every process appends under an exclusive ``flock`` on the journal and
-applies entries strictly in journal order, so all processes agree on which record a key names;
-reads only tail the journal (one ``fstat`` when nothing changed). When the journal grows past a
-bound, the appender holding the lock writes a snapshot, starts the next generation and seals the
-old one with an entry pointing at it. Called on IO worker threads (under the store's locks).
+new-segment, seal), ``snapshot.<gen>`` (the live index at the start of generation ``gen``, with
+the next unused segment id) and ``HEAD`` (the current generation). Every process appends under
+an exclusive ``flock`` on the journal and applies entries strictly in journal order, so all
+processes agree on which record a key names; reads only tail the journal (one ``fstat`` when
+nothing changed). When the journal grows past a bound, the appender holding the lock writes a
+snapshot, starts the next generation and seals the old one with an entry pointing at it. Segment
+ids are handed out here too (a new-segment entry appended under the lock), so no two processes,
+and no two lifetimes of one directory, ever use the same id. Called on IO worker threads (under
+the store's locks).
 
 Crash safety: a record is written before its put entry is appended, so a journaled page is
 always complete; a failed or short append is truncated away before the lock is released; entries
@@ -27,7 +30,9 @@ from typing import NamedTuple
 import numpy as np
 import xxhash
 
-OP_PUT, OP_DELETE, OP_EVICT, OP_SEAL = 1, 2, 3, 4
+from kvtier.errors import StoreUnavailable
+
+OP_PUT, OP_DELETE, OP_EVICT, OP_SEAL, OP_SEGMENT = 1, 2, 3, 4, 5
 ENTRY_BYTES = 64
 _ENTRY = struct.Struct("<B3xII4x32sQ4x")  # op, seg, slot, key, value; then the checksum
 assert _ENTRY.size == ENTRY_BYTES - 4
@@ -37,7 +42,8 @@ _WORDS = struct.Struct("<15I")
 #: million entries at once, which keeps opening a large store fast.
 _WEIGHTS = tuple(2 * (0x9E3779B1 * (i + 1) % (1 << 31)) + 1 for i in range(15))
 _WEIGHTS_NP = np.array(_WEIGHTS, np.uint32)  # uint32 products wrap mod 2**32, as the sum does
-SNAPSHOT_MAGIC = b"KVTSNAP1"
+SNAPSHOT_MAGIC = b"KVTSNAP2"  # the header also carries the next unused segment id
+_SNAPSHOT_MAGIC_V1 = b"KVTSNAP1"  # older: no segment id (read as 0)
 SNAPSHOT_DTYPE = np.dtype([("key", "V32"), ("seg", "<u4"), ("slot", "<u4")])
 _ENTRY_DTYPE = np.dtype([("op", "u1"), ("_a", "V3"), ("seg", "<u4"), ("slot", "<u4"),
                          ("_b", "V4"), ("key", "V32"), ("value", "<u8"), ("_c", "V4"),
@@ -48,7 +54,11 @@ _BULK_ENTRIES = 64
 #: A long journal is read and applied this many bytes at a time (a million entries), which
 #: bounds the memory a replay needs beside the index it builds.
 _TAIL_BYTES = ENTRY_BYTES << 20
-_SNAP_HEADER = struct.Struct("<8sQQ40x")  # magic, rows, xxh3 of rows
+#: magic, rows, xxh3 of the rows (seeded with the next segment id, which it thereby covers),
+#: the next segment id.
+_SNAP_HEADER = struct.Struct("<8sQQQ32x")
+#: The live index as a snapshot: its rows and the next unused segment id.
+Snapshot = tuple[np.ndarray, int]
 
 
 class Entry(NamedTuple):
@@ -103,33 +113,44 @@ class Journal:
 
     def _read_head(self) -> int:
         try:
-            return int((self.root / "HEAD").read_text().strip() or 0)
+            text = (self.root / "HEAD").read_bytes()
         except FileNotFoundError:
             return 0
+        try:
+            return int(text.strip() or 0)
+        except ValueError:
+            raise StoreUnavailable(f"{self.root / 'HEAD'} does not hold a journal generation "
+                                   f"number (it holds {text[:40]!r}); the store's index cannot "
+                                   "be found") from None
 
     # ---- loading -------------------------------------------------------------------------
-    def load(self, apply_snapshot: Callable[[np.ndarray], None], apply: Apply) -> None:
+    def load(self, apply_snapshot: Callable[[np.ndarray, int], None], apply: Apply) -> None:
         """Load the latest snapshot and replay the journal to its end.
 
         Raises FileNotFoundError when a concurrent compaction removed the generation being
         loaded (the caller starts over with a fresh index).
         """
         gen = self._read_head()
-        apply_snapshot(self.read_snapshot(gen))
+        apply_snapshot(*self.read_snapshot(gen))
         self._open_gen(gen, create=gen == 0)
         self._repair_tail()
         self.tail(apply)
 
-    def read_snapshot(self, gen: int) -> np.ndarray:
+    def read_snapshot(self, gen: int) -> Snapshot:
+        """Generation ``gen``'s snapshot: its rows and the next unused segment id."""
         if gen == 0:
-            return np.zeros(0, SNAPSHOT_DTYPE)
+            return np.zeros(0, SNAPSHOT_DTYPE), 0
         data = self._snapshot(gen).read_bytes()
-        magic, rows, digest = _SNAP_HEADER.unpack_from(data)
+        if len(data) < _SNAP_HEADER.size:
+            raise OSError(f"{self._snapshot(gen)} is damaged (short)")
+        magic, rows, digest, next_seg = _SNAP_HEADER.unpack_from(data)
         body = memoryview(data)[_SNAP_HEADER.size:]
-        if magic != SNAPSHOT_MAGIC or body.nbytes != rows * SNAPSHOT_DTYPE.itemsize \
-                or xxhash.xxh3_64_intdigest(body) != digest:
+        seed = next_seg if magic == SNAPSHOT_MAGIC else 0
+        if magic not in (SNAPSHOT_MAGIC, _SNAPSHOT_MAGIC_V1) \
+                or body.nbytes != rows * SNAPSHOT_DTYPE.itemsize \
+                or xxhash.xxh3_64_intdigest(body, seed) != digest:
             raise OSError(f"{self._snapshot(gen)} is damaged")
-        return np.frombuffer(body, SNAPSHOT_DTYPE)
+        return np.frombuffer(body, SNAPSHOT_DTYPE), seed
 
     def _open_gen(self, gen: int, create: bool = False) -> None:
         flags = os.O_RDWR | os.O_APPEND | (os.O_CREAT if create else 0)
@@ -216,14 +237,18 @@ class Journal:
             if fd == self.fd:  # else a seal moved us on and closing the old one unlocked it
                 fcntl.flock(fd, fcntl.LOCK_UN)
 
-    def append(self, entries: list[Entry], apply: Apply) -> None:
-        """Catch up, append ``entries`` and apply them; raises OSError (nothing appended)."""
+    def append(self, entries: list[Entry] | Callable[[], list[Entry]], apply: Apply) -> None:
+        """Catch up, append ``entries`` and apply them; raises OSError (nothing appended).
+        A callable is asked for the entries once caught up, under the lock (for entries that
+        depend on everything journaled before them, such as a new segment's id)."""
         while True:
             fd = self.fd
             with self.locked():
                 self.tail(apply)
                 if fd != self.fd:
                     continue  # a seal moved us to a new generation: lock that one
+                if callable(entries):
+                    entries = entries()
                 self._write_locked([encode_entry(e) for e in entries])
                 for entry in entries:
                     apply(entry)
@@ -244,8 +269,8 @@ class Journal:
         self.entries += len(encoded)
 
     # ---- compaction ----------------------------------------------------------------------
-    def compact(self, rows: Callable[[], np.ndarray], apply: Apply) -> bool:
-        """Start the next generation from a snapshot of the live index (``rows()`` after
+    def compact(self, snapshot: Callable[[], Snapshot], apply: Apply) -> bool:
+        """Start the next generation from a snapshot of the live index (``snapshot()`` after
         catching up). False when another process holds the lock (it will compact) or a file
         could not be written."""
         fd = self.fd
@@ -257,15 +282,15 @@ class Journal:
             self.tail(apply)
             if fd != self.fd:
                 return False
-            return self._roll(rows())
+            return self._roll(*snapshot())
         finally:
             if fd == self.fd:
                 fcntl.flock(fd, fcntl.LOCK_UN)
 
-    def _roll(self, rows: np.ndarray) -> bool:
+    def _roll(self, rows: np.ndarray, next_seg: int) -> bool:
         new = self.gen + 1
         try:
-            self._write_snapshot(new, rows)
+            self._write_snapshot(new, rows, next_seg)
             self._journal(new).unlink(missing_ok=True)  # an uncommitted leftover
             os.close(os.open(self._journal(new), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644))
             self._write_locked([encode_entry(Entry(OP_SEAL, value=new))])  # the commit point
@@ -279,9 +304,10 @@ class Journal:
             self._snapshot(old - 1).unlink(missing_ok=True)
         return True
 
-    def _write_snapshot(self, gen: int, rows: np.ndarray) -> None:
+    def _write_snapshot(self, gen: int, rows: np.ndarray, next_seg: int) -> None:
         body = np.ascontiguousarray(rows, SNAPSHOT_DTYPE).tobytes()
-        header = _SNAP_HEADER.pack(SNAPSHOT_MAGIC, len(rows), xxhash.xxh3_64_intdigest(body))
+        header = _SNAP_HEADER.pack(SNAPSHOT_MAGIC, len(rows),
+                                   xxhash.xxh3_64_intdigest(body, next_seg), next_seg)
         _replace_file(self._snapshot(gen), header + body)
 
     def close(self) -> None:

@@ -3,11 +3,11 @@ this process appends to.
 
 Owns ``SegmentReaders`` (a bounded cache of read-only descriptors; a read pins its segment, so
 an eviction that unlinks the file never pulls the bytes from under it: the descriptor keeps the
-inode alive until the last reader lets go) and ``SegmentWriter`` (hands out slots of this
-process's own active segment to concurrent writer threads; the segment is held with an exclusive
-``flock`` while it can still receive records, which tells other processes not to evict or clean
-it). Both are thread-safe; called from IO worker threads.
-"""
+inode alive until the last reader lets go, then it is closed and forgotten) and
+``SegmentWriter`` (hands out slots of this process's own active segment to concurrent writer
+threads; the segment is held with an exclusive ``flock`` while it can still receive records,
+which tells other processes not to evict or clean it). Both are thread-safe; called from IO
+worker threads."""
 
 from __future__ import annotations
 
@@ -31,15 +31,15 @@ class SegmentReaders:
         self.max_open = max_open
         self._lock = threading.Lock()
         self._fds: OrderedDict[int, list[int]] = OrderedDict()  # seg -> [fd, pins]
-        self._retired: set[int] = set()
+        self._retiring: set[int] = set()  # evicted, still pinned: closed by the last unpin
 
     def pin(self, seg: int) -> int | None:
         """A descriptor of segment ``seg``, held open until ``unpin``; None if it is gone."""
         with self._lock:
+            if seg in self._retiring:
+                return None
             slot = self._fds.get(seg)
             if slot is None:
-                if seg in self._retired:
-                    return None
                 try:
                     fd = os.open(segment_path(self.directory, seg), self.flags)
                 except FileNotFoundError:
@@ -55,7 +55,8 @@ class SegmentReaders:
         with self._lock:
             slot = self._fds[seg]
             slot[1] -= 1
-            if slot[1] == 0 and seg in self._retired:
+            if slot[1] == 0 and seg in self._retiring:
+                self._retiring.discard(seg)
                 os.close(self._fds.pop(seg)[0])
 
     def pinned(self, seg: int) -> bool:
@@ -65,12 +66,16 @@ class SegmentReaders:
             return slot is not None and slot[1] > 0
 
     def retire(self, seg: int) -> None:
-        """The segment was evicted: close its descriptor once no read holds it."""
+        """The segment was evicted: close its descriptor once no read holds it. Nothing is
+        remembered after that (segment ids are never reused, so no later pin names it)."""
         with self._lock:
-            self._retired.add(seg)
             slot = self._fds.get(seg)
-            if slot is not None and slot[1] == 0:
+            if slot is None:
+                return
+            if slot[1] == 0:
                 os.close(self._fds.pop(seg)[0])
+            else:
+                self._retiring.add(seg)
 
     def _trim(self) -> None:
         if len(self._fds) <= self.max_open:
@@ -85,6 +90,7 @@ class SegmentReaders:
             for fd, _ in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+            self._retiring.clear()
 
 
 @dataclass
@@ -119,7 +125,7 @@ class SegmentWriter:
 
     directory: Path
     layout: RecordLayout
-    next_id: Callable[[], int]  # lowest id worth trying for a new segment
+    new_id: Callable[[], int]  # a segment id never used before (journaled); raises OSError
     direct: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _open: dict[int, _Active] = field(default_factory=dict)
@@ -189,13 +195,12 @@ class SegmentWriter:
             self._current.clear()
 
     def _create(self) -> _Active:
-        seg = max(self.next_id(), max(self._open, default=-1) + 1)
         while True:
+            seg = self.new_id()
             path = segment_path(self.directory, seg)
             try:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                seg += 1
+            except FileExistsError:  # not ours (a stray file or directory): take the next id
                 continue
             fcntl.flock(fd, fcntl.LOCK_EX)
             direct_fd = os.open(path, os.O_WRONLY | os.O_DIRECT) if self.direct else None
