@@ -101,7 +101,8 @@ def stages(store: FileStore, keys: list[bytes], batch: int) -> dict[str, Callabl
 
     def header_checks() -> None:
         for start in starts:
-            layout.verify_many(headers, keys[start:start + batch], dest, check_payload=False)
+            layout.verify_many(headers, slot0, keys[start:start + batch], dest,
+                               check_payload=False)
 
     def read_many() -> None:
         for start in starts:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import logging
 import os
 import threading
 import time
@@ -55,6 +56,8 @@ from kvtier.store.file_options import FileStoreOptions
 from kvtier.store.record import Verdict
 from kvtier.store.segment import list_segments, load_or_create_manifest
 from kvtier.store.segment_files import SegmentReaders, SegmentWriter
+
+log = logging.getLogger(__name__)
 
 #: Compact the journal once it holds this many entries more than ``COMPACT_FACTOR`` x live pages.
 COMPACT_MIN_ENTRIES = 65536
@@ -88,15 +91,16 @@ class FileStore(PageStore):
                            verify_payload=self.options.verify == "full")
         self.index = PageIndex(on_evict=self.readers.retire)
         self.journal = Journal(self.root, apply_rows=self.index.load_rows)
-        try:
-            self.open_seconds = self._load()
-        except OSError as exc:
-            raise StoreUnavailable(f"cannot load the index of {self.root}: {exc}") from None
         self.writer = SegmentWriter(self.segments_dir, self.layout,
                                     new_id=self.new_segment_id,
                                     direct=self.options.direct)
         self.evictor = Evictor(self)
-        self.evictor.clean_leftovers()
+        try:
+            self.open_seconds = self._load()
+            self.evictor.clean_leftovers()
+        except OSError as exc:
+            self.close()
+            raise StoreUnavailable(f"cannot load the index of {self.root}: {exc}") from None
 
     @classmethod
     def from_url(cls, url: str, page_bytes: int, options: dict[str, Any]) -> FileStore:
@@ -118,6 +122,11 @@ class FileStore(PageStore):
                 self.journal.close()
                 self.index = PageIndex(on_evict=self.readers.retire)
                 self.journal = Journal(self.root, apply_rows=self.index.load_rows)
+        with self._lock:
+            freed = self.journal.remove_stale_generations(self.index.apply)
+        if freed:
+            log.warning("file store %s: removed %d bytes of old index generations left by an "
+                        "interrupted compaction", self.root, freed)
         on_disk = list_segments(self.segments_dir)
         with self._lock:
             for seg in set(self.index.seg_slots) - set(on_disk):
@@ -344,6 +353,7 @@ class FileStore(PageStore):
             used = self.index.used_slots() * self.layout.record_bytes
         fs = os.statvfs(self.root)
         return {"segments": segments, "segment_bytes": used,
+                "index_bytes": self.journal.index_bytes(),
                 "live_bytes": len(self.index.where) * self.layout.record_bytes,
                 "fs_free_bytes": fs.f_bavail * fs.f_frsize, "record_bytes": self.layout.record_bytes,
                 "journal_generation": self.journal.gen, "journal_entries": self.journal.entries,

@@ -20,6 +20,7 @@ reinsertion bit gives recently read pages a second life the way CLOCK approximat
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import threading
 import time
@@ -33,6 +34,8 @@ from kvtier.store.segment_files import owned_by_a_writer
 
 if TYPE_CHECKING:
     from kvtier.store.file import FileStore
+
+log = logging.getLogger(__name__)
 
 #: Leftovers younger than this may belong to a process that is creating them right now.
 LEFTOVER_AGE_S = 60.0
@@ -120,7 +123,12 @@ class Evictor:
         kept = self._reinsert(seg, hot[:store.layout.slots // 2]) if hot else 0
         # Unlink first: on a full disk the journal append may fail, and the space must come
         # back anyway. A process that still maps keys to the file then reads misses.
-        segment_path(store.segments_dir, seg).unlink(missing_ok=True)
+        try:
+            segment_path(store.segments_dir, seg).unlink(missing_ok=True)
+        except OSError as exc:  # not a file we may remove: it stays, and so do its pages
+            log.warning("file store %s: cannot evict segment %d: %s", store.root, seg, exc)
+            store.counters.add(errors=1)
+            return 0
         try:
             store.publish([Entry(OP_EVICT, seg)])
         except OSError:
@@ -166,9 +174,9 @@ class Evictor:
         cutoff = time.time() - LEFTOVER_AGE_S
         for tmp in store.root.glob(".*.tmp"):
             try:
-                if tmp.stat().st_mtime < cutoff:
+                if tmp.is_file() and tmp.stat().st_mtime < cutoff:
                     tmp.unlink()
-            except FileNotFoundError:
+            except OSError:  # gone meanwhile, or not ours to remove
                 continue
         with store._lock:
             empty = set(store.index.segments_without_live_pages())

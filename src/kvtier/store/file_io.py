@@ -114,7 +114,7 @@ class RecordIO:
         want = count * layout.page_bytes + (count - 1) * pad
         if _preadv_all(fd, iovecs, layout.payload_at(slot0), want) != want:
             return None
-        return layout.verify_many(headers, keys, views, self.verify_payload)
+        return layout.verify_many(headers, slot0, keys, views, self.verify_payload)
 
     def each(self, plans: Sequence[tuple[int, int] | None], keys: Sequence[bytes],
              views: Sequence[memoryview],
@@ -145,7 +145,7 @@ class RecordIO:
             header = self._header(fd, slot)
             if header is None:
                 return Verdict.TORN
-            verdict = layout.verify(header, key, payload, self.verify_payload)
+            verdict = layout.verify(header, slot, key, payload, self.verify_payload)
             if verdict is Verdict.OK:
                 view[:] = payload
             return verdict
@@ -154,14 +154,14 @@ class RecordIO:
         header = self._header(fd, slot)
         if header is None:
             return Verdict.TORN
-        return layout.verify(header, key, view, self.verify_payload)
+        return layout.verify(header, slot, key, view, self.verify_payload)
 
     def write(self, fd: int, direct_fd: int | None, slot: int, key: bytes,
               payload: memoryview) -> None:
         """Write the payload, then the header, of ``key``'s record into ``slot``; raises
         OSError if any byte failed. ``direct_fd``: an O_DIRECT descriptor for the payload."""
         layout = self.layout
-        header = layout.encode_header(key, payload)
+        header = layout.encode_header(slot, key, payload)
         if direct_fd is not None:
             bounce = self._buffers()[0]
             bounce[:layout.page_bytes] = payload
@@ -182,8 +182,8 @@ class RecordIO:
         layout = self.layout
         count, stride = len(keys), layout.header_stride
         encode = layout.encode_header
-        headers = b"".join([encode(key, payload).ljust(stride, b"\0")
-                            for key, payload in zip(keys, payloads, strict=True)])
+        headers = b"".join([encode(slot0 + i, key, payload).ljust(stride, b"\0")
+                            for i, (key, payload) in enumerate(zip(keys, payloads, strict=True))])
         pad = layout.payload_stride - layout.page_bytes
         if pad:
             gap = memoryview(bytes(pad))
@@ -226,7 +226,7 @@ class RecordIO:
         header = self._header(fd, slot)
         if header is None:
             return Verdict.TORN
-        verdict = layout.verify(header, key, memoryview(b""), check_payload=False)
+        verdict = layout.verify(header, slot, key, memoryview(b""), check_payload=False)
         if verdict is not Verdict.OK:
             return verdict
         payload = self._buffers()[0][:layout.page_bytes]
@@ -254,7 +254,7 @@ class RecordIO:
         if header is None:
             return Verdict.TORN
         payload = scratch[:layout.page_bytes]
-        verdict = layout.verify(header, key, payload, self.verify_payload)
+        verdict = layout.verify(header, slot, key, payload, self.verify_payload)
         if verdict is Verdict.OK:
             _pack(payload, ranges, out)
         return verdict

@@ -297,12 +297,57 @@ class Journal:
         except OSError:
             return False
         _replace_file(self.root / "HEAD", f"{new}\n".encode())
-        old = self.gen
         self._open_gen(new)
-        if old >= 1:  # keep the generation just sealed for processes still loading it
-            self._journal(old - 1).unlink(missing_ok=True)
-            self._snapshot(old - 1).unlink(missing_ok=True)
+        # Keep the generation just sealed, for processes still loading it.
+        self._remove_generations(lambda gen: gen < new - 1)
         return True
+
+    # ---- old generations -----------------------------------------------------------------
+    def remove_stale_generations(self, apply: Apply) -> int:
+        """Delete what a compaction killed midway left behind: generations before the
+        current one's predecessor, and uncommitted ones after it. Done under the journal lock
+        (no compaction runs meanwhile), once caught up. Returns the bytes freed."""
+        while True:
+            fd = self.fd
+            with self.locked():
+                self.tail(apply)
+                if fd != self.fd:
+                    continue  # a seal moved us on: lock the current generation
+                return self._remove_generations(
+                    lambda gen, current=self.gen: gen < current - 1 or gen > current)
+
+    def index_bytes(self) -> int:
+        """Bytes the index files take on disk (every journal and snapshot generation)."""
+        total = 0
+        for paths in self._generation_files().values():
+            for path in paths:
+                try:
+                    total += path.stat().st_size
+                except FileNotFoundError:
+                    continue
+        return total
+
+    def _generation_files(self) -> dict[int, list[Path]]:
+        found: dict[int, list[Path]] = {}
+        for path in self.root.iterdir():
+            kind, _, gen = path.name.partition(".")
+            if kind in ("journal", "snapshot") and gen.isdigit():
+                found.setdefault(int(gen), []).append(path)
+        return found
+
+    def _remove_generations(self, stale: Callable[[int], bool]) -> int:
+        freed = 0
+        for gen, paths in self._generation_files().items():
+            if not stale(gen):
+                continue
+            for path in paths:
+                try:
+                    size = path.stat().st_size
+                    path.unlink()
+                    freed += size
+                except OSError:  # gone already, or not ours to remove: left as it is
+                    continue
+        return freed
 
     def _write_snapshot(self, gen: int, rows: np.ndarray, next_seg: int) -> None:
         body = np.ascontiguousarray(rows, SNAPSHOT_DTYPE).tobytes()

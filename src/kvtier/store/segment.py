@@ -11,15 +11,16 @@ A segment is one append-only file of fixed-size slots, ``segments/<id>.seg``::
     [payload of slot 0][pad to align][payload of slot 1][pad to align]...
 
 A slot's header is the 64-byte record header (``kvtier.store.record``: format version, key,
-length, payload checksum), followed, for pages larger than one chunk, by a table of xxh3
-checksums, one per chunk, so a partial read (a pipeline stage's layers) verifies only the
-chunks it reads. Headers sit apart from payloads so that payloads start on page boundaries
-(``align``: 4 KiB for pages of 64 KiB and more, else 512 B): a page is then written and read as
-whole page-cache pages, and O_DIRECT can move it straight into an aligned buffer. Measured on
-the 2-core machine at 64 KiB pages, an inline 64-byte header before each payload cost about 50%
-more CPU per buffered write and 20% more per read than this layout (the payload then straddles
-one more page-cache page).
-"""
+length, payload checksum; its flags field holds the payload's *place*, its file offset / 512, so
+a header read through a layout other than the one that wrote it never vouches for bytes read
+from another offset, even when the payload checksum is skipped), followed, for pages larger than
+one chunk, by a table of xxh3 checksums, one per chunk, so a partial read (a pipeline stage's
+layers) verifies only the chunks it reads. Headers sit apart from payloads so that payloads
+start on page boundaries (``align``: 4 KiB for pages of 64 KiB and more, else 512 B): a page is
+then written and read as whole page-cache pages, and O_DIRECT can move it straight into an
+aligned buffer. Measured on the 2-core machine at 64 KiB pages, an inline 64-byte header before
+each payload cost about 50% more CPU per buffered write and 20% more per read than this layout
+(the payload then straddles one more page-cache page). """
 
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ from kvtier.store.record import HEADER_BYTES, MAGIC, RECORD_VERSION, Verdict, en
 
 MANIFEST = "kvtier-store.json"
 FORMAT = "kvtier-file-store"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: record headers carry the payload's place (1: flags 0, still read)
+PLACE_UNIT = 512  # a place is a payload offset in these units (payloads are 512-aligned)
 CHUNK_BYTES = 64 << 10
 #: ``kvtier.store.record``'s header, crc included, unpacked in one call on the read path
 #: (tests check that it agrees with ``encode_header``).
@@ -63,16 +65,14 @@ _RESIDUE = zlib.crc32(bytes(60) + struct.pack("<I", zlib.crc32(bytes(60))))
 def _header_fields(stride: int) -> np.dtype:
     """One header-table entry (``stride`` bytes) as the byte fields verification compares
     (they overlap: ``header`` is all 64 bytes, ``fixed`` the first 20)."""
-    return np.dtype({"names": ["header", "fixed", "head", "length", "digest", "key"],
-                     "formats": ["V64", "V20", "V8", "V8", "V8", _KEY_DTYPE],
-                     "offsets": [0, 0, 0, 12, 20, 28], "itemsize": stride})
+    return np.dtype({"names": ["header", "fixed", "head", "flags", "length", "digest", "key"],
+                     "formats": ["V64", "V20", "V8", "<u4", "V8", "V8", _KEY_DTYPE],
+                     "offsets": [0, 0, 0, 8, 12, 20, 28], "itemsize": stride})
 
 
-@functools.cache
-def _fixed_fields(page_bytes: int, count: int) -> bytes:
-    """Bytes 0..20 of ``count`` headers as ``encode_header`` writes them for a page of
-    ``page_bytes``: magic, version, header size, flags 0, payload length."""
-    return (_HEAD_BYTES + bytes(4) + struct.pack("<Q", page_bytes)) * count
+#: Bytes 0..20 of a header: magic, version, header size; flags (the place); payload length.
+_FIXED = np.dtype({"names": ["head", "flags", "length"], "formats": ["V8", "<u4", "<u8"],
+                   "offsets": [0, 8, 12], "itemsize": 20})
 
 
 @functools.cache
@@ -106,6 +106,7 @@ class RecordLayout:
     align: int
     slots: int  # records per segment
     chunk_bytes: int = CHUNK_BYTES
+    places: bool = True  # headers carry their payload's place (False: stores of format 1)
     # Derived once (read on every IO).
     header_stride: int = field(init=False)   # bytes per slot in the header table (power of 2)
     table_bytes: int = field(init=False)     # the header table, padded to 4 KiB
@@ -124,6 +125,8 @@ class RecordLayout:
         object.__setattr__(self, "table_bytes", round_up(self.slots * stride, 4096))
         object.__setattr__(self, "payload_stride", payload_stride)
         object.__setattr__(self, "record_bytes", payload_stride + stride)
+        if self.places and self.segment_bytes // PLACE_UNIT >= 1 << 32:
+            raise ValueError("a segment of 2 TiB or more cannot record its payloads' places")
 
     @classmethod
     def plan(cls, page_bytes: int, segment_bytes: int, max_bytes: int | None) -> RecordLayout:
@@ -159,21 +162,38 @@ class RecordLayout:
     def segment_bytes(self) -> int:
         return self.table_bytes + self.slots * self.payload_stride
 
+    def place(self, slot: int) -> int:
+        """What slot ``slot``'s header records as its payload's place (0: format 1)."""
+        return self.payload_at(slot) // PLACE_UNIT if self.places else 0
+
+    def _fixed(self, slot0: int, count: int) -> np.ndarray:
+        """Bytes 0..20 of the headers of slots ``slot0 ...`` as ``encode_header`` writes them."""
+        fixed = np.empty(count, _FIXED)
+        fixed["head"] = np.frombuffer(_HEAD_BYTES, "V8")
+        if self.places:
+            slots = np.arange(slot0, slot0 + count, dtype=np.uint64)
+            fixed["flags"] = (self.table_bytes + slots * self.payload_stride) // PLACE_UNIT
+        else:
+            fixed["flags"] = 0
+        fixed["length"] = self.page_bytes
+        return fixed
+
     # ---- encoding ----------------------------------------------------------------------
-    def encode_header(self, key: bytes, payload: memoryview) -> bytes:
-        """A slot's header and chunk table for ``payload`` stored under ``key``."""
+    def encode_header(self, slot: int, key: bytes, payload: memoryview) -> bytes:
+        """Slot ``slot``'s header and chunk table for ``payload`` stored under ``key``."""
         table = b"".join(struct.pack("<Q", xxhash.xxh3_64_intdigest(payload[a:a + self.chunk_bytes]))
                          for a in range(0, self.page_bytes, self.chunk_bytes)) if self.chunks else b""
-        return encode_header(key, payload) + table
+        return encode_header(key, payload, flags=self.place(slot)) + table
 
-    def verify(self, prefix: memoryview | bytes, key: bytes, payload: memoryview,
+    def verify(self, prefix: memoryview | bytes, slot: int, key: bytes, payload: memoryview,
                check_payload: bool = True) -> Verdict:
-        """Check a record read back: header intact, right key and length, payload checksum
-        (skipped when ``check_payload`` is False: header-only verification)."""
-        magic, version, size, _flags, length, digest, stored_key, crc = _HEADER.unpack_from(prefix)
+        """Check a record read back from slot ``slot``: header intact, right key, place and
+        length, payload checksum (skipped when ``check_payload`` is False: header-only
+        verification)."""
+        magic, version, size, flags, length, digest, stored_key, crc = _HEADER.unpack_from(prefix)
         if magic != MAGIC or size != HEADER_BYTES or zlib.crc32(prefix[:60]) != crc:
             return Verdict.TORN
-        if version != RECORD_VERSION or stored_key != key:
+        if version != RECORD_VERSION or stored_key != key or flags != self.place(slot):
             return Verdict.FOREIGN
         if length != self.page_bytes:
             return Verdict.CORRUPT
@@ -181,30 +201,33 @@ class RecordLayout:
             return Verdict.CORRUPT
         return Verdict.OK
 
-    def verify_many(self, headers: bytes | bytearray, keys: Sequence[bytes],
+    def verify_many(self, headers: bytes | bytearray, slot0: int, keys: Sequence[bytes],
                     payloads: Sequence[memoryview], check_payload: bool = True) -> list[bool]:
-        """``verify`` of consecutive slots at once (``headers``: their header-table entries
-        back to back); True where the record is OK. The same checks, over the whole batch at
-        once: every payload still gets its own ``xxh3``, every header its crc."""
+        """``verify`` of the consecutive slots ``slot0, slot0 + 1, ...`` at once (``headers``:
+        their header-table entries back to back); True where the record is OK. The same checks,
+        over the whole batch at once: every payload still gets its own ``xxh3``, every header its crc."""
         count, stride = len(keys), self.header_stride
         joined = b"".join(keys)
         if len(joined) != count * KEY_BYTES:  # a malformed key: no record can match it
-            return [self.verify(memoryview(headers)[i * stride:(i + 1) * stride], keys[i],
-                                payloads[i], check_payload) is Verdict.OK for i in range(count)]
+            return [self.verify(memoryview(headers)[i * stride:(i + 1) * stride], slot0 + i,
+                                keys[i], payloads[i], check_payload) is Verdict.OK
+                    for i in range(count)]
         rows = np.frombuffer(headers, _header_fields(stride), count)
         digests = None
         if check_payload:
             digests = array("Q", map(xxhash.xxh3_64_intdigest, payloads))
             if _BIG_ENDIAN:
                 digests.byteswap()
-        # Fast path: every record as written (flags 0), compared as bytes, a few calls per batch.
-        if (rows["fixed"].tobytes() == _fixed_fields(self.page_bytes, count)
+        # Fast path: every record as written, compared as bytes, a few calls per batch.
+        fixed = self._fixed(slot0, count)
+        if (rows["fixed"].tobytes() == fixed.tobytes()
                 and rows["key"].tobytes() == joined
                 and (digests is None or rows["digest"].tobytes() == digests.tobytes())
                 and _crcs_hold(rows["header"].tobytes(), count) is True):
             return [True] * count
-        # Else field by field, to find which records fail (flags are not checked, as in verify).
+        # Else field by field, to find which records fail.
         ok = rows["head"] == np.frombuffer(_HEAD_BYTES, "V8")
+        ok &= rows["flags"] == fixed["flags"]
         ok &= rows["length"] == np.frombuffer(struct.pack("<Q", self.page_bytes), "V8")
         ok &= rows["key"] == np.frombuffer(joined, _KEY_DTYPE)
         if digests is not None:
@@ -225,8 +248,18 @@ class RecordLayout:
 
 def load_or_create_manifest(root: Path, page_bytes: int, segment_bytes: int,
                             max_bytes: int | None) -> RecordLayout:
-    """The layout recorded in ``root``'s manifest, creating it (atomically) for a new store."""
+    """The layout recorded in ``root``'s manifest, creating it (atomically) for a new store.
+
+    Raises ``StoreUnavailable`` for a directory that holds a store's journal or segments but
+    no manifest: its layout is unknown, and guessing one would misread every record."""
     path = root / MANIFEST
+    # The manifest is written before any other file of a store: files without it (looked for
+    # again after seeing them, in case a concurrent creator just finished) mean it was lost.
+    if not path.exists() and _holds_store_files(root) and not path.exists():
+        raise StoreUnavailable(
+            f"{root} holds a kvtier store's index or segments but no {MANIFEST}, so the layout "
+            f"of its records is unknown; restore {MANIFEST} (or remove the directory to start "
+            "an empty store)")
     if not path.exists():
         layout = RecordLayout.plan(page_bytes, segment_bytes, max_bytes)
         body = {"format": FORMAT, "version": FORMAT_VERSION, **asdict(layout)}  # derived too
@@ -248,14 +281,22 @@ def read_manifest(root: Path, page_bytes: int | None = None) -> RecordLayout:
         body = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise StoreUnavailable(f"{path}: not a readable kvtier store manifest ({exc})") from None
-    if body.get("format") != FORMAT or body.get("version") != FORMAT_VERSION:
+    if body.get("format") != FORMAT or body.get("version") not in (1, FORMAT_VERSION):
         raise StoreUnavailable(f"{path}: format {body.get('format')!r} v{body.get('version')} "
                                f"is not {FORMAT} v{FORMAT_VERSION}")
-    layout = RecordLayout(body["page_bytes"], body["align"], body["slots"], body["chunk_bytes"])
+    layout = RecordLayout(body["page_bytes"], body["align"], body["slots"], body["chunk_bytes"],
+                          places=body["version"] >= 2)
     if page_bytes is not None and layout.page_bytes != page_bytes:
         raise LayoutMismatch(f"{root} holds pages of {layout.page_bytes} bytes, "
                              f"not {page_bytes}")
     return layout
+
+
+def _holds_store_files(root: Path) -> bool:
+    """True if ``root`` has a journal, snapshot, ``HEAD`` or segment file (a store's data)."""
+    if (root / "HEAD").exists() or any(root.glob("journal.*")) or any(root.glob("snapshot.*")):
+        return True
+    return bool(list_segments(root / "segments")) if (root / "segments").is_dir() else False
 
 
 def segment_path(directory: Path, seg: int) -> Path:
@@ -263,14 +304,16 @@ def segment_path(directory: Path, seg: int) -> Path:
 
 
 def list_segments(directory: Path) -> dict[int, int]:
-    """Segment id -> file size for every segment file in ``directory``."""
+    """Segment id -> file size for every segment file in ``directory`` (regular files only:
+    a directory or other entry that merely has a segment's name is not one)."""
     found: dict[int, int] = {}
     with os.scandir(directory) as entries:
         for entry in entries:
             name = entry.name
             if name.endswith(SEGMENT_SUFFIX) and name[:-len(SEGMENT_SUFFIX)].isdigit():
                 try:
-                    found[int(name[:-len(SEGMENT_SUFFIX)])] = entry.stat().st_size
+                    if entry.is_file(follow_symlinks=False):
+                        found[int(name[:-len(SEGMENT_SUFFIX)])] = entry.stat().st_size
                 except FileNotFoundError:
                     continue  # evicted while we looked
     return found
