@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
 
 from kvtier.cli import main
+from kvtier.errors import ConfigError
 from kvtier.store import open_store
 from kvtier.store.file import FileStore
 from kvtier.store.file_index import split
@@ -83,3 +86,72 @@ def test_bench_store_reports_runs_beside_the_raw_baseline(tmp_path: Path, capsys
     assert run["read_misses"] == 0 and run["write_refused"] == 0 and "machine" in report
     assert last == f"read/raw: {run['read_vs_raw']:.3f}"
     assert not list((tmp_path / "bench").iterdir())  # the run's store is removed
+
+
+# ---- errors: exit 2 and one line for usage and open errors, exit 1 only for damage ----------
+
+
+def test_verify_of_a_store_with_a_directory_named_like_a_segment_passes(filled: str,
+                                                                         capsys) -> None:
+    stray = Path(filled.removeprefix("file://")) / "segments" / "0000000778.seg"
+    stray.mkdir()
+    os.utime(stray, (time.time() - 3600,) * 2)
+    assert main(["store", "verify", "--url", filled, "--no-progress"]) == 0
+    assert "verify: ok" in capsys.readouterr().out
+
+
+def test_verify_of_a_store_that_cannot_be_opened_is_exit_2_not_damage(filled: str,
+                                                                      capsys) -> None:
+    root = Path(filled.removeprefix("file://"))
+    (root / "HEAD").write_text("garbage\n")
+    assert main(["store", "verify", "--url", filled, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvtier: error: ") and "HEAD" in err and "Traceback" not in err
+    (root / "kvtier-store.json").unlink()
+    assert main(["store", "verify", "--url", filled, "--no-progress"]) == 2
+    assert "no kvtier file store" in capsys.readouterr().err
+
+
+def test_a_garbage_head_file_is_one_error_line_and_exit_2(filled: str, capsys) -> None:
+    root = Path(filled.removeprefix("file://"))
+    (root / "HEAD").write_bytes(b"\x00\xffjunk")
+    for command in ("stats", "ls"):
+        assert main(["store", command, "--url", filled]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("kvtier: error: ") and "HEAD" in err
+
+
+@pytest.mark.parametrize("url", ["file://relative/path", "file:relative/path",
+                                 "file://otherhost/abs/path"])
+def test_a_file_url_that_names_no_local_absolute_directory_is_refused(
+        tmp_path: Path, monkeypatch, capsys, url: str) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "relative" / "path").mkdir(parents=True)
+    open_store(f"file://{tmp_path}/path", page_bytes=PAGE).close()  # a store at /.../path
+    for argv in (["store", "stats", "--url", url],
+                 ["bench", "store", "--url", url, "--pages", "4", "--page-bytes", "4KiB"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("kvtier: error: ") and url in err and "absolute" in err
+    with pytest.raises(ConfigError, match="absolute"):
+        open_store(url, page_bytes=PAGE)
+    assert list((tmp_path / "relative" / "path").iterdir()) == []
+
+
+@pytest.mark.parametrize("flag, value", [("--pages", "0"), ("--pages", "-5"),
+                                         ("--pages", "many"), ("--page-bytes", "0"),
+                                         ("--page-bytes", "abc"), ("--page-bytes", "4KiB,0"),
+                                         ("--total", "0"), ("--threads", "0"),
+                                         ("--batch", "0"), ("--repeats", "0")])
+def test_bench_store_refuses_bad_sizes_and_counts_as_usage_errors(
+        tmp_path: Path, capsys, flag: str, value: str) -> None:
+    argv = ["bench", "store", "--url", f"file://{tmp_path}/bench", flag, value]
+    if flag not in ("--pages", "--total"):
+        argv += ["--pages", "4"]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: " in err
+    assert repr(value.split(",")[-1]) in err or "at least 1, got" in err
+    assert "Traceback" not in err and not (tmp_path / "bench").exists()

@@ -35,7 +35,6 @@ from collections.abc import Callable, Sequence
 from itertools import compress
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 from kvtier.errors import ConfigError, StoreUnavailable
 from kvtier.keys import KEY_BYTES
@@ -52,7 +51,7 @@ from kvtier.store.file_evict import Evictor
 from kvtier.store.file_index import SLOT_BITS, PageIndex
 from kvtier.store.file_io import RecordIO, plans_of, slot_runs
 from kvtier.store.file_journal import OP_DELETE, OP_PUT, OP_SEGMENT, Entry, Journal
-from kvtier.store.file_options import FileStoreOptions
+from kvtier.store.file_options import FileStoreOptions, file_url_path
 from kvtier.store.record import Verdict
 from kvtier.store.segment import list_segments, load_or_create_manifest
 from kvtier.store.segment_files import SegmentReaders, SegmentWriter
@@ -104,10 +103,7 @@ class FileStore(PageStore):
 
     @classmethod
     def from_url(cls, url: str, page_bytes: int, options: dict[str, Any]) -> FileStore:
-        parts = urlsplit(url)
-        if parts.netloc not in ("", "localhost") or not parts.path:
-            raise ConfigError("store url", url, "file:///absolute/path (a local directory)")
-        return cls(unquote(parts.path), page_bytes, FileStoreOptions.parse(options))
+        return cls(file_url_path(url), page_bytes, FileStoreOptions.parse(options))
 
     def _load(self) -> float:
         start = time.perf_counter()

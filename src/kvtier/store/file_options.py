@@ -1,18 +1,39 @@
 """Options of the ``file://`` store, parsed from URL query parameters or keyword arguments.
 
 Owns ``FileStoreOptions`` (frozen) and its parser, which names the option, the value and what is
-allowed on any mistake. Called on the thread that opens the store.
+allowed on any mistake, and ``file_url_path``, the one reading of a ``file://`` URL's directory
+that every command and the store share. Called on the thread that opens the store.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 from kvtier.config import parse_size
 from kvtier.errors import ConfigError
 
 _TRUE = ("1", "true", "yes", "on")
+_URL_FORM = "file:///absolute/path (a local directory)"
+
+
+def file_url_path(url: str) -> Path:
+    """The directory a ``file://`` URL names; ConfigError for another host (``file://a/b``
+    names host ``a``, not the relative path ``a/b``), a relative or an empty path."""
+    parts = urlsplit(url)
+    if parts.scheme != "file":
+        raise ConfigError("store url", url, _URL_FORM)
+    if parts.netloc not in ("", "localhost"):
+        raise ConfigError("store url", url, f"{_URL_FORM}; this URL names host "
+                          f"{parts.netloc!r} (for a relative path, give its absolute form: "
+                          f"file://{Path(parts.netloc + parts.path).absolute()})")
+    path = unquote(parts.path)
+    if not path.startswith("/"):
+        raise ConfigError("store url", url, f"{_URL_FORM}; {path!r} is not absolute")
+    return Path(path)
+
 _FALSE = ("0", "false", "no", "off")
 
 
