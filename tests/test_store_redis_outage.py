@@ -205,3 +205,59 @@ def test_store_opened_offline_connects_once_the_server_starts(tmp_path: Path) ->
             assert buffers[0].tobytes() == pages([1])[0]
     finally:
         store.close()
+
+
+def breaker_of(store: RedisStore):  # the one server's breaker, read without calling it
+    return store._router.endpoints()[0].breaker
+
+
+def probers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("kvtier-redis-probe")]
+
+
+def test_calls_during_a_long_stall_all_answer_at_once(server: RedisServer) -> None:
+    """A stalled server (every answer times out) for 2 s, across several probe rounds: once
+    the breaker is open no call waits for the server; the probing happens elsewhere."""
+    keys = [key_for(i) for i in range(4)]
+    buffers = [np.zeros(PAGE, np.uint8) for _ in keys]
+    with open_redis(server.url()) as store:
+        assert all(store.write(keys, pages(list(range(4)))))
+        server.pause()
+        try:
+            for _ in range(2):  # breaker_failures: these two wait out the deadline
+                store.read_into(keys, buffers)
+            assert breaker_of(store).is_open
+            slowest, calls, end = 0.0, 0, time.monotonic() + 2.0
+            while time.monotonic() < end:
+                seconds, found = timed(store.read_into, keys, buffers)
+                assert found == [False] * 4
+                slowest, calls = max(slowest, seconds), calls + 1
+                time.sleep(0.01)
+            assert breaker_of(store).stats().opened >= 3  # probes failed meanwhile
+        finally:
+            server.resume()
+        assert slowest < 0.1, f"a call took {slowest:.3f}s while the breaker was open"
+        assert wait_until(lambda: not breaker_of(store).is_open)
+        assert store.read_into(keys, buffers) == [True] * 4
+    assert not probers()
+
+
+def test_the_store_serves_again_within_one_backoff_of_the_server_returning(
+        server: RedisServer) -> None:
+    """Down for 2 s with nobody calling: once the server answers again, the breaker closes
+    within the capped backoff (0.6 s here, +20% jitter) plus one probe, by itself."""
+    keys = [key_for(i) for i in range(2)]
+    with open_redis(server.url()) as store:
+        server.stop()
+        for _ in range(2):
+            assert store.write(keys, pages([0, 1])) == [False, False]
+        assert breaker_of(store).is_open
+        time.sleep(2.0)
+        server.start()  # returns once the server answers PING
+        back = time.monotonic()
+        assert wait_until(lambda: not breaker_of(store).is_open, timeout_s=5.0)
+        recovered_s = time.monotonic() - back
+        assert recovered_s < 0.6 * 1.2 + DEADLINE + SLACK, recovered_s
+        assert store.write(keys, pages([0, 1])) == [True, True]
+        assert wait_until(lambda: not probers())  # the prober leaves once the breaker closes
+    assert not probers()

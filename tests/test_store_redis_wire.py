@@ -213,18 +213,25 @@ class FakeClock:
         return self.now
 
 
-def test_breaker_opens_after_consecutive_failures_and_lets_one_probe_through() -> None:
+def test_breaker_opens_after_consecutive_failures_and_gives_the_prober_one_turn() -> None:
     clock = FakeClock()
     breaker = CircuitBreaker(failures=2, backoff_s=1.0, max_backoff_s=4.0, clock=clock, seed=0)
+    assert breaker.probe_due_in() is None
     assert breaker.allow() and not breaker.record_failure()
     assert breaker.allow() and breaker.record_failure()  # opened
     assert not breaker.allow()
-    clock.now = 1.3  # past the backoff (+-20% jitter)
-    assert breaker.allow()          # the probe
-    assert not breaker.allow()      # everyone else waits for it
+    assert 0.8 <= breaker.probe_due_in() <= 1.2  # the backoff, +-20% jitter
+    assert not breaker.begin_probe()  # not due yet
+    clock.now = 1.3  # past the backoff
+    assert not breaker.allow()      # callers never probe, even when one is due
+    assert breaker.probe_due_in() == 0.0
+    assert breaker.begin_probe()    # the prober's turn
+    assert not breaker.begin_probe()  # one probe at a time
+    assert not breaker.allow() and breaker.stats().state == "half_open"
     breaker.record_success()
     assert breaker.allow() and breaker.stats().state == "closed"
-    assert breaker.stats().rejected == 2
+    assert breaker.probe_due_in() is None
+    assert breaker.stats().rejected == 3
 
 
 def test_failed_probes_double_the_backoff_up_to_the_cap() -> None:
@@ -235,12 +242,12 @@ def test_failed_probes_double_the_backoff_up_to_the_cap() -> None:
     backoffs = []
     for _ in range(4):
         clock.now += 10
-        assert breaker.allow()
+        assert breaker.begin_probe()
         breaker.record_failure()
         backoffs.append(breaker.stats().backoff_s)
     assert backoffs == [2.0, 3.0, 3.0, 3.0]
     clock.now += 0.5
-    assert not breaker.allow()
+    assert not breaker.allow() and not breaker.begin_probe()
 
 
 def test_success_resets_the_failure_count() -> None:

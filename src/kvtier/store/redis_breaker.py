@@ -2,12 +2,13 @@
 
 Owns ``CircuitBreaker``: after ``failures`` consecutive failed calls it opens for a backoff
 (``backoff_s``, doubling after each failed probe up to ``max_backoff_s``, with +-20% seeded
-jitter so many clients do not probe in step). While open, ``allow()`` answers False at once and
-the store turns the call into misses or refused writes. When the backoff has passed, exactly one
-caller is let through as the probe (half-open); its success closes the breaker, its failure
-re-opens it for a longer backoff (a probe that never reports is replaced after one backoff).
-Pure Python, thread-safe (one lock); called from the IO worker
-threads that call the store.
+jitter so many clients do not probe in step). While it is not closed, ``allow()`` answers False
+at once and the store turns the call into misses or refused writes: callers never probe, so no
+call waits on a server that may not answer. The probe is the endpoint's prober thread
+(``redis_endpoint``): ``probe_due_in()`` says when, ``begin_probe()`` takes the half-open turn,
+and its success closes the breaker while its failure re-opens it for a longer backoff. Pure
+Python, thread-safe (one lock); called from the IO worker threads that call the store and from
+the prober thread.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class BreakerStats:
 class CircuitBreaker:
     """Counts consecutive failures of one endpoint and decides whether a call may try it."""
 
-    def __init__(self, *, failures: int = 3, backoff_s: float = 0.5, max_backoff_s: float = 10.0,
+    def __init__(self, *, failures: int = 3, backoff_s: float = 0.5, max_backoff_s: float = 2.0,
                  clock: Callable[[], float] = time.monotonic, seed: int | None = None) -> None:
         if failures < 1:
             raise ValueError(f"failures must be >= 1, got {failures}")
@@ -55,17 +56,31 @@ class CircuitBreaker:
         self._rejected = 0
 
     def allow(self) -> bool:
-        """True if the caller may try the endpoint now (it must then report the outcome)."""
+        """True if a call may try the endpoint now (it must then report the outcome): only
+        while closed. An open or half-open breaker answers False at once."""
         with self._lock:
             if self._state == CLOSED:
                 return True
-            now = self._clock()
-            if now >= self._retry_at:  # open and its backoff passed, or a probe went quiet
-                self._state = HALF_OPEN  # this caller is the probe
-                self._retry_at = now + self._backoff  # lease: another probe only after this
-                return True
             self._rejected += 1
             return False
+
+    def probe_due_in(self) -> float | None:
+        """Seconds until the next probe is due (0: now); None while closed."""
+        with self._lock:
+            if self._state == CLOSED:
+                return None
+            return max(0.0, self._retry_at - self._clock())
+
+    def begin_probe(self) -> bool:
+        """Take the probe's turn (half-open) if one is due; the prober then reports the
+        outcome. A probe that never reports is replaced after one backoff."""
+        with self._lock:
+            now = self._clock()
+            if self._state == CLOSED or now < self._retry_at:
+                return False
+            self._state = HALF_OPEN
+            self._retry_at = now + self._backoff  # lease: another probe only after this
+            return True
 
     def record_success(self) -> None:
         with self._lock:

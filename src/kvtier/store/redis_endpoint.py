@@ -6,8 +6,13 @@ one retry on a fresh connection when a kept one turns out dead, e.g. after a res
 endpoint keeps the connections it took from redis-py's pool on a shelf of its own, because a
 pool checkout costs tens of microseconds per call; a kept connection is checked for a closed
 or dirty socket (one zero-timeout poll) before each use and reconnected when needed, and every
-kept connection is dropped when the breaker opens. Also owns the reply kinds that mean "server
-unavailable" and "slot moved". Called from the IO worker threads that call the store.
+kept connection is dropped when the breaker opens. While the breaker is open a prober thread of
+the endpoint's own (a daemon, started when the breaker opens, gone once it closes or the
+endpoint closes; it catches everything) sends ``PING`` each time the breaker's backoff passes and
+closes the breaker on the first answer, so the store serves again within one backoff of the
+server's return whether or not anyone calls, and no caller ever waits on a probe. Also owns the
+reply kinds that mean "server unavailable" and "slot moved". Called from the IO worker threads
+that call the store.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any, TypeVar
 
 from kvtier.store.redis_breaker import CircuitBreaker
 from kvtier.store.redis_channel import Channel, Deadline, NoTimeLeft
-from kvtier.store.redis_wire import ReplyReader, connection_socket
+from kvtier.store.redis_wire import ReplyReader, ServerError, connection_socket, pack
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -68,16 +73,29 @@ def _require_time(deadline: Deadline, share: float = 0.0) -> None:
                          ("open a connection" if share else "start"))
 
 
+def ping(channel: Channel, reader: ReplyReader) -> None:
+    """The prober's unit of work: ``PING``, answered ``PONG`` (an error reply such as LOADING
+    is raised: the server is not ready)."""
+    channel.send([pack(b"PING")])
+    reply = reader.simple()
+    if isinstance(reply, ServerError):
+        raise reply
+
+
 class Endpoint:
     """One Redis server: its connection pool, the connections kept from it, its breaker."""
 
-    def __init__(self, name: str, pool: Any, breaker: CircuitBreaker) -> None:
+    def __init__(self, name: str, pool: Any, breaker: CircuitBreaker, *,
+                 probe_timeout_s: float = 1.0) -> None:
         self.name = name
         self.pool = pool
         self.breaker = breaker
+        self.probe_timeout_s = probe_timeout_s
         self._lock = threading.Lock()
         self._shelf: list[Any] = []   # idle connections taken from the pool
         self._closed = False
+        self._prober: threading.Thread | None = None
+        self._stop = threading.Event()
 
     def run(self, work: Work[T], deadline: Deadline) -> T:
         """``work(channel, reader)`` on a connection; raises ``EndpointDown`` on failure."""
@@ -91,6 +109,7 @@ class Endpoint:
             if self.breaker.record_failure():
                 log.warning("redis %s: circuit opened after %s", self.name, exc)
                 self._drop_idle()
+                self._start_prober()
             raise EndpointDown(self.name, f"{type(exc).__name__}: {exc}", exc) from exc
         self.breaker.record_success()
         return result
@@ -98,6 +117,39 @@ class Endpoint:
     def probe(self, work: Work[T], deadline: Deadline) -> T:
         """``work`` on a connection, bypassing the breaker; raises what it raised."""
         return self._attempt(work, deadline)
+
+    # ---- the prober -------------------------------------------------------------------------
+    def _start_prober(self) -> None:
+        with self._lock:
+            if self._prober is not None or self._closed:
+                return
+            self._prober = threading.Thread(target=self._probe_until_closed, daemon=True,
+                                            name=f"kvtier-redis-probe-{self.name}")
+            self._prober.start()
+
+    def _probe_until_closed(self) -> None:
+        """PING whenever the breaker's backoff passes, until it closes (or the endpoint)."""
+        while not self._stop.is_set():
+            with self._lock:
+                wait = self.breaker.probe_due_in()
+                if wait is None:  # closed: a later opening starts a new prober
+                    self._prober = None
+                    return
+            if wait > 0:
+                self._stop.wait(wait)
+            elif self.breaker.begin_probe():
+                self._probe_once()
+
+    def _probe_once(self) -> None:
+        try:
+            self._attempt(ping, Deadline(self.probe_timeout_s))
+        except Exception as exc:  # any failure means the server is still away
+            self.breaker.record_failure()
+            self._drop_idle()
+            log.debug("redis %s: probe failed: %s", self.name, exc)
+            return
+        self.breaker.record_success()
+        log.warning("redis %s: answering again; circuit closed", self.name)
 
     def _attempt_with_one_retry(self, work: Work[T], deadline: Deadline) -> T:
         from redis.exceptions import AuthenticationError
@@ -165,8 +217,13 @@ class Endpoint:
             conn.disconnect()
 
     def close(self) -> None:
+        self._stop.set()
         with self._lock:
             self._closed = True
+            prober = self._prober
+        if prober is not None:
+            prober.join(self.probe_timeout_s + 1.0)  # a probe in flight ends by its deadline
+        with self._lock:
             idle, self._shelf = self._shelf, []
         for conn in idle:
             self.pool.release(conn)

@@ -4,7 +4,8 @@ Owns ``StandaloneRouter`` and ``ClusterRouter`` (split a batch of keys per serve
 ``Endpoint``: by hash slot in a cluster, refreshing the slot map in the background after a MOVED
 reply) and ``open_router`` (builds either from the parsed URL). redis-py is imported here, lazily,
 only when a Redis store is opened. Called from the IO worker threads that call the store; the
-topology refresh runs on a short-lived daemon thread that catches everything.
+topology refresh runs on a short-lived daemon thread that catches everything (as does each
+endpoint's prober while its breaker is open).
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ class StandaloneRouter:
 class ClusterRouter:
     """Keys go to the primary that owns their hash slot; batches split per primary."""
 
-    def __init__(self, client: Any, make_breaker: Callable[[], CircuitBreaker]) -> None:
+    def __init__(self, client: Any, make_endpoint: Callable[[str, Any], Endpoint]) -> None:
         self._client = client
-        self._make_breaker = make_breaker
+        self._make_endpoint = make_endpoint  # (name, connection pool) -> Endpoint
         self._endpoints: dict[str, Endpoint] = {}
         self._lock = threading.Lock()
         self._refreshing = False
@@ -75,7 +76,7 @@ class ClusterRouter:
                 endpoint = self._endpoints.get(node.name)
                 if endpoint is None:
                     pool = self._client.get_redis_connection(node).connection_pool
-                    endpoint = Endpoint(node.name, pool, self._make_breaker())
+                    endpoint = self._make_endpoint(node.name, pool)
                     self._endpoints[node.name] = endpoint
         return endpoint
 
@@ -134,15 +135,16 @@ def open_router(client_url: str, opts: RedisOptions) -> StandaloneRouter | Clust
     import redis
     from redis.cluster import RedisCluster
 
-    def make_breaker() -> CircuitBreaker:
-        return CircuitBreaker(failures=opts.breaker_failures, backoff_s=opts.breaker_backoff_s,
-                              max_backoff_s=opts.breaker_max_backoff_s)
+    def make_endpoint(name: str, pool: Any) -> Endpoint:
+        breaker = CircuitBreaker(failures=opts.breaker_failures, backoff_s=opts.breaker_backoff_s,
+                                 max_backoff_s=opts.breaker_max_backoff_s)
+        return Endpoint(name, pool, breaker, probe_timeout_s=opts.timeout_s)
 
     kwargs = _client_kwargs(opts)
     if opts.cluster:
         client = RedisCluster.from_url(client_url, require_full_coverage=False, **kwargs)
-        return ClusterRouter(client, make_breaker)
+        return ClusterRouter(client, make_endpoint)
     pool = redis.ConnectionPool.from_url(client_url, **kwargs)
     conn_kwargs = pool.connection_kwargs
     name = f"{conn_kwargs.get('host', '?')}:{conn_kwargs.get('port', '?')}"
-    return StandaloneRouter(Endpoint(name, pool, make_breaker()))
+    return StandaloneRouter(make_endpoint(name, pool))

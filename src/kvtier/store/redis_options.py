@@ -45,7 +45,7 @@ class RedisOptions:
     cluster: bool = False            # talk Redis Cluster (keys routed by hash slot)
     breaker_failures: int = 3        # consecutive failed calls that open the breaker
     breaker_backoff_s: float = 0.5   # first open period; doubles per failed probe
-    breaker_max_backoff_s: float = 10.0
+    breaker_max_backoff_s: float = 2.0  # the cap: back in service <= 1.2x this after the server
     page_count: str = "dbsize"       # stats().pages: DBSIZE, or an exact SCAN of the prefix
     require_server: bool = True      # raise at open when the server is unreachable
 
