@@ -296,6 +296,10 @@ class RedisStore(PageStore):
             out.append(row)
         return out
 
+    def breaker_states(self) -> dict[str, str]:
+        """Each server's breaker state (closed, open, half_open), without calling any."""
+        return {e.name: e.breaker.stats().state for e in self._router.endpoints()}
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True
