@@ -43,7 +43,7 @@ from kvtier.commands.bench_store import aligned_pages, run_batches, source_pages
 from kvtier.config import parse_size
 from kvtier.machine import format_table, write_report
 from kvtier.store.file import FileStore
-from kvtier.store.file_io import plans_of
+from kvtier.store.file.record_io import plans_of
 
 STAGES = ("raw", "copy", "hash", "headers", "read_many", "read_into")
 

@@ -122,7 +122,7 @@ def _store_dir(url: str) -> Path | None:
     """A ``file://`` URL's directory (refused unless absolute and local); None otherwise."""
     if urlsplit(url).scheme != "file":
         return None
-    from kvtier.store.file_options import file_url_path
+    from kvtier.store.file.options import file_url_path
 
     return file_url_path(url)
 

@@ -60,8 +60,8 @@ def _open(args: argparse.Namespace, need_file: bool = False) -> Any:
     parts = urlsplit(args.url)
     page_bytes = args.page_bytes
     if parts.scheme == "file":
-        from kvtier.store.file_options import file_url_path
-        from kvtier.store.segment import MANIFEST, read_manifest
+        from kvtier.store.file.options import file_url_path
+        from kvtier.store.file.segment import MANIFEST, read_manifest
 
         root = file_url_path(args.url)
         if not (root / MANIFEST).exists():
@@ -81,7 +81,7 @@ def _open(args: argparse.Namespace, need_file: bool = False) -> Any:
 
 
 def run_ls(args: argparse.Namespace) -> int:
-    from kvtier.store.file_tools import iter_pages
+    from kvtier.store.file.tools import iter_pages
 
     with _open(args, need_file=True) as store:
         rows = []
@@ -113,7 +113,7 @@ def run_stats(args: argparse.Namespace) -> int:
 def run_verify(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from kvtier.store.file_tools import VERDICTS, verify_all
+    from kvtier.store.file.tools import VERDICTS, verify_all
 
     with _open(args, need_file=True) as store:
         total = store.stats().pages

@@ -10,7 +10,7 @@ Header layout (little-endian)::
     0   4  magic  b"KVTR"
     4   2  record format version
     6   2  header size (64)
-    8   4  flags (0; a disk segment puts the payload's place there, see ``segment``)
+    8   4  flags (0; a disk segment puts the payload's place there, see ``file.segment``)
     12  8  payload length
     20  8  payload checksum: xxh3_64
     28 32  page key

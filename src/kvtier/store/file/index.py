@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvtier.store.file_journal import (
+from kvtier.store.file.journal import (
     OP_DELETE,
     OP_EVICT,
     OP_PUT,

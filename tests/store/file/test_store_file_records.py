@@ -10,14 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import kvtier.store.file as file_module
+import kvtier.store.file.store as file_module
 from kvtier.errors import ConfigError, LayoutMismatch
 from kvtier.layout import ByteRange
 from kvtier.store import open_store
 from kvtier.store.file import FileStore
-from kvtier.store.file_index import split
-from kvtier.store.file_journal import OP_PUT, decode_entries
-from kvtier.store.segment import segment_path
+from kvtier.store.file.index import split
+from kvtier.store.file.journal import OP_PUT, decode_entries
+from kvtier.store.file.segment import segment_path
 from store_contract import key_for, page_bytes_for
 
 PAGE = 4096
@@ -208,8 +208,8 @@ def test_url_must_name_a_local_directory() -> None:
 
 
 def test_read_path_header_decoder_agrees_with_the_record_module() -> None:
+    from kvtier.store.file.segment import _HEADER
     from kvtier.store.record import decode_header, encode_header
-    from kvtier.store.segment import _HEADER
 
     payload = page_bytes_for(3, 100)
     header = encode_header(key_for(3), payload)

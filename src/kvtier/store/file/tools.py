@@ -12,10 +12,10 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from kvtier.store.file import FileStore
-from kvtier.store.file_index import split
-from kvtier.store.file_io import RecordIO
-from kvtier.store.segment import segment_path
+from kvtier.store.file.index import split
+from kvtier.store.file.record_io import RecordIO
+from kvtier.store.file.segment import segment_path
+from kvtier.store.file.store import FileStore
 
 VERDICTS = ("ok", "torn", "foreign", "corrupt", "io_error", "gone")
 

@@ -14,13 +14,15 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from kvtier.store import open_store, redis_verify
+from kvtier.store import open_store
 from kvtier.store.record import HEADER_BYTES, encode_header
-from kvtier.store.redis import RedisStore, page_views
-from kvtier.store.redis_channel import MAX_VIEWS, Channel, Deadline
-from kvtier.store.redis_pages import read_pages
-from kvtier.store.redis_verify import PageJudge, Verdicts
-from kvtier.store.redis_wire import ProtocolError, ReplyReader, ServerError, pack, pack_key_command
+from kvtier.store.redis import RedisStore
+from kvtier.store.redis import verify as redis_verify
+from kvtier.store.redis.channel import MAX_VIEWS, Channel, Deadline
+from kvtier.store.redis.pages import read_pages
+from kvtier.store.redis.store import page_views
+from kvtier.store.redis.verify import PageJudge, Verdicts
+from kvtier.store.redis.wire import ProtocolError, ReplyReader, ServerError, pack, pack_key_command
 from redis_server import RedisServer, needs_redis, running_server
 from store_contract import key_for, page_bytes_for
 from test_store_redis_wire import feed

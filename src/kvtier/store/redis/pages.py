@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier.store.redis_channel import MAX_VIEWS
-from kvtier.store.redis_wire import ProtocolError, ReplyReader
+from kvtier.store.redis.channel import MAX_VIEWS
+from kvtier.store.redis.wire import ProtocolError, ReplyReader
 
 _CRLF = b"\r\n"
 

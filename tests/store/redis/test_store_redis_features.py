@@ -25,7 +25,7 @@ from store_contract import key_for, page_bytes_for
 pytestmark = [needs_redis, pytest.mark.redis]
 
 PAGE = 4099
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[3] / "src")
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ Owns ``CircuitBreaker``: after ``failures`` consecutive failed calls it opens fo
 jitter so many clients do not probe in step). While it is not closed, ``allow()`` answers False
 at once and the store turns the call into misses or refused writes: callers never probe, so no
 call waits on a server that may not answer. The probe is the endpoint's prober thread
-(``redis_endpoint``): ``probe_due_in()`` says when, ``begin_probe()`` takes the half-open turn,
+(``endpoint``): ``probe_due_in()`` says when, ``begin_probe()`` takes the half-open turn,
 and its success closes the breaker while its failure re-opens it for a longer backoff. Pure
 Python, thread-safe (one lock); called from the IO worker threads that call the store and from
 the prober thread.

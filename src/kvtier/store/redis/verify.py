@@ -21,8 +21,8 @@ import xxhash
 
 from kvtier.keys import KEY_BYTES
 from kvtier.store.record import HEADER_BYTES, encode_header, payload_checksum
-from kvtier.store.redis_endpoint import MOVED_KINDS
-from kvtier.store.redis_wire import ServerError
+from kvtier.store.redis.endpoint import MOVED_KINDS
+from kvtier.store.redis.wire import ServerError
 
 _CRC_BYTES = 4
 _CHECKSUM_BYTES = 8

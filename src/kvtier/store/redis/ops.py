@@ -2,7 +2,7 @@
 
 Each builder returns a ``work(channel, reader)`` function for ``Endpoint.run``: it pipelines its
 commands (page reads in chunks of ``batch_bytes``, the next chunk sent before the previous one is
-read, the replies of a chunk taken by ``redis_pages``), reads exactly one reply per command, and
+read, the replies of a chunk taken by ``pages``), reads exactly one reply per command, and
 returns the replies in order. An error reply that means the server cannot serve (LOADING,
 NOAUTH, ...) is raised after the batch, so the call counts as an outage. Runs on the IO worker
 thread that called the store.
@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier.store.redis_channel import Channel
-from kvtier.store.redis_endpoint import UNAVAILABLE_KINDS
-from kvtier.store.redis_pages import read_pages
-from kvtier.store.redis_wire import ReplyReader, ServerError, pack, pack_key_command
+from kvtier.store.redis.channel import Channel
+from kvtier.store.redis.endpoint import UNAVAILABLE_KINDS
+from kvtier.store.redis.pages import read_pages
+from kvtier.store.redis.wire import ReplyReader, ServerError, pack, pack_key_command
 
 
 def _raise_unavailable(replies: Sequence[Any]) -> None:

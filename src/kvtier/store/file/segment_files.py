@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtier.store.segment import RecordLayout, segment_path
+from kvtier.store.file.segment import RecordLayout, segment_path
 
 
 class SegmentReaders:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from kvtier.store import open_store
 from kvtier.store.file import FileStore
-from kvtier.store.file_index import split
-from kvtier.store.segment import list_segments
+from kvtier.store.file.index import split
+from kvtier.store.file.segment import list_segments
 from store_contract import key_for, page_bytes_for
 
 PAGE = 512
@@ -71,7 +71,7 @@ def test_segment_ids_keep_rising_across_compactions_of_an_empty_store(tmp_path: 
     """Each round: fill, clear (evicting every segment; with no lower bound the journal
     compacts after each evict entry, so the last snapshot is empty and names no segment),
     reopen. The ids handed out must keep rising from round to round."""
-    import kvtier.store.file as file_module
+    import kvtier.store.file.store as file_module
 
     monkeypatch.setattr(file_module, "COMPACT_MIN_ENTRIES", 0)
     root = tmp_path / "store"
@@ -112,8 +112,8 @@ def test_an_evicted_segment_is_forgotten_once_its_last_reader_lets_go(tmp_path: 
     """Retiring a segment closes its descriptor after the last pin; nothing else is kept, so
     a later segment file under that name (written by a store of an older version, which could
     reuse ids) is read rather than refused forever."""
-    from kvtier.store.segment import segment_path
-    from kvtier.store.segment_files import SegmentReaders
+    from kvtier.store.file.segment import segment_path
+    from kvtier.store.file.segment_files import SegmentReaders
 
     directory = tmp_path / "segments"
     directory.mkdir()

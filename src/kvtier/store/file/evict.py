@@ -27,13 +27,13 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kvtier.store.file_journal import OP_EVICT, Entry
+from kvtier.store.file.journal import OP_EVICT, Entry
+from kvtier.store.file.segment import segment_path
+from kvtier.store.file.segment_files import owned_by_a_writer
 from kvtier.store.record import Verdict
-from kvtier.store.segment import segment_path
-from kvtier.store.segment_files import owned_by_a_writer
 
 if TYPE_CHECKING:
-    from kvtier.store.file import FileStore
+    from kvtier.store.file.store import FileStore
 
 log = logging.getLogger(__name__)
 

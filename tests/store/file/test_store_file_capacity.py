@@ -15,7 +15,7 @@ import pytest
 
 from kvtier.store import open_store
 from kvtier.store.file import FileStore
-from kvtier.store.segment import RecordLayout
+from kvtier.store.file.segment import RecordLayout
 from store_contract import key_for, page_bytes_for
 
 PAGE = 4096

@@ -17,14 +17,14 @@ from kvtier.store import open_store
 from kvtier.store.file import FileStore
 from store_contract import key_for, page_bytes_for
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[3] / "src")
 PAGE = 4096
 ROUNDS = 12
 URL_QUERY = "?segment_bytes=64KiB"  # small segments: kills land in every phase, often
 WRITER = r"""
 import hashlib, random, sys
 sys.path.insert(0, sys.argv[1])
-import kvtier.store.file as file_module
+import kvtier.store.file.store as file_module
 file_module.COMPACT_MIN_ENTRIES = 40  # compactions happen (and get killed) too
 from kvtier.store import open_store
 root, start, page = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])

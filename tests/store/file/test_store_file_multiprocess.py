@@ -11,14 +11,14 @@ from pathlib import Path
 from kvtier.store import open_store
 from kvtier.store.file import FileStore
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[3] / "src")
 PAGE = 4096
 PAGES = 150
 WORKER = r"""
 import hashlib, json, random, sys, time
 sys.path.insert(0, sys.argv[1])
 import numpy as np
-import kvtier.store.file as file_module
+import kvtier.store.file.store as file_module
 file_module.COMPACT_MIN_ENTRIES = 64
 from kvtier.store import open_store
 root, me, pages, query, page = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], 4096

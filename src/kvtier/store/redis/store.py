@@ -2,10 +2,10 @@
 
 Owns ``RedisStore``: pages stored as Redis strings ``prefix + hex(page key)`` whose value is the
 64-byte record header plus the payload (so a corrupt, truncated or foreign value reads as a
-counted miss), with an optional TTL. Batches are pipelined per server (``redis_ops``), page
+counted miss), with an optional TTL. Batches are pipelined per server (``ops``), page
 payloads travel between the socket and the caller's buffers without intermediate copies
-(``redis_wire``, ``redis_pages``), replies are judged by ``redis_verify``, and connections,
-TLS, AUTH/ACL users and Redis Cluster slot maps come from redis-py (``redis_nodes``; imported
+(``wire``, ``pages``), replies are judged by ``verify``, and connections,
+TLS, AUTH/ACL users and Redis Cluster slot maps come from redis-py (``nodes``; imported
 lazily, so ``import kvtier.store`` never needs it).
 
 Outages are values: with Redis down, stalled or restarting, every call returns within
@@ -30,13 +30,13 @@ from kvtier.errors import ConfigError, StoreUnavailable
 from kvtier.keys import KEY_BYTES
 from kvtier.store.base import Buffer, PageStore, StoreCounters, StoreStats, readable_view, writable_view
 from kvtier.store.record import HEADER_BYTES
-from kvtier.store.redis_channel import Deadline
-from kvtier.store.redis_endpoint import MOVED_KINDS, Endpoint, EndpointDown
-from kvtier.store.redis_nodes import open_router
-from kvtier.store.redis_ops import get_pages, glob_escape, per_key, server_info, set_pages
-from kvtier.store.redis_options import RedisOptions, parse_redis_url
-from kvtier.store.redis_verify import PageJudge, Verdicts
-from kvtier.store.redis_wire import ServerError
+from kvtier.store.redis.channel import Deadline
+from kvtier.store.redis.endpoint import MOVED_KINDS, Endpoint, EndpointDown
+from kvtier.store.redis.nodes import open_router
+from kvtier.store.redis.ops import get_pages, glob_escape, per_key, server_info, set_pages
+from kvtier.store.redis.options import RedisOptions, parse_redis_url
+from kvtier.store.redis.verify import PageJudge, Verdicts
+from kvtier.store.redis.wire import ServerError
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """One Redis server as the page store sees it: connections, circuit breaker, deadline-bound calls.
 
-Owns ``Endpoint``: ``run(work, deadline)`` executes a unit of wire work (``redis_ops``) on one of
+Owns ``Endpoint``: ``run(work, deadline)`` executes a unit of wire work (``ops``) on one of
 the server's connections and turns every failure into ``EndpointDown`` (counted by the breaker;
 one retry on a fresh connection when a kept one turns out dead, e.g. after a restart). The
 endpoint keeps the connections it took from redis-py's pool on a shelf of its own, because a
@@ -24,9 +24,9 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from kvtier.store.redis_breaker import CircuitBreaker
-from kvtier.store.redis_channel import Channel, Deadline, NoTimeLeft
-from kvtier.store.redis_wire import ReplyReader, ServerError, connection_socket, pack
+from kvtier.store.redis.breaker import CircuitBreaker
+from kvtier.store.redis.channel import Channel, Deadline, NoTimeLeft
+from kvtier.store.redis.wire import ReplyReader, ServerError, connection_socket, pack
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

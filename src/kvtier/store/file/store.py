@@ -3,17 +3,17 @@
 Owns ``FileStore``: opens (or creates) a store directory, answers ``contains`` from an in-memory
 index, reads pages straight into the caller's buffers (one ``preadv`` per run of adjacent
 records) and verifies every one, appends writes to this process's own segment, and publishes
-them through the shared journal (``file_journal``) only once their bytes are complete. Several
+them through the shared journal (``journal``) only once their bytes are complete. Several
 processes may open one directory at once: each appends to its own segments, and every process
 sees the others' pages as soon as it next touches the store (one ``fstat`` of the journal per
-call). Eviction lives in ``file_evict``; record IO in ``file_io``; the layout in ``segment``. No
+call). Eviction lives in ``evict``; record IO in ``record_io``; the layout in ``segment``. No
 background threads: the IO worker threads that call the store do all the work, so nothing can
 die silently.
 
 Directory::
 
     kvtier-store.json   layout (page bytes, record alignment, slots per segment)
-    HEAD, journal.<g>, snapshot.<g>   the shared index (see file_journal)
+    HEAD, journal.<g>, snapshot.<g>   the shared index (see journal)
     evict.lock          one evicting process at a time
     segments/<id>.seg   records
 
@@ -47,14 +47,14 @@ from kvtier.store.base import (
     readable_view,
     writable_view,
 )
-from kvtier.store.file_evict import Evictor
-from kvtier.store.file_index import SLOT_BITS, PageIndex
-from kvtier.store.file_io import RecordIO, plans_of, slot_runs
-from kvtier.store.file_journal import OP_DELETE, OP_PUT, OP_SEGMENT, Entry, Journal
-from kvtier.store.file_options import FileStoreOptions, file_url_path
+from kvtier.store.file.evict import Evictor
+from kvtier.store.file.index import SLOT_BITS, PageIndex
+from kvtier.store.file.journal import OP_DELETE, OP_PUT, OP_SEGMENT, Entry, Journal
+from kvtier.store.file.options import FileStoreOptions, file_url_path
+from kvtier.store.file.record_io import RecordIO, plans_of, slot_runs
+from kvtier.store.file.segment import list_segments, load_or_create_manifest
+from kvtier.store.file.segment_files import SegmentReaders, SegmentWriter
 from kvtier.store.record import Verdict
-from kvtier.store.segment import list_segments, load_or_create_manifest
-from kvtier.store.segment_files import SegmentReaders, SegmentWriter
 
 log = logging.getLogger(__name__)
 

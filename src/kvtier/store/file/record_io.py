@@ -25,9 +25,9 @@ from typing import Any
 import xxhash
 
 from kvtier.layout import ByteRange
-from kvtier.store.file_index import SLOT_BITS, SLOT_MASK
+from kvtier.store.file.index import SLOT_BITS, SLOT_MASK
+from kvtier.store.file.segment import RecordLayout
 from kvtier.store.record import Verdict
-from kvtier.store.segment import RecordLayout
 
 #: Above this share of a page, a partial read reads the whole page instead.
 PARTIAL_READ_LIMIT = 0.75

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from kvtier.store.redis_breaker import CircuitBreaker
-from kvtier.store.redis_channel import Channel, Deadline, DeadlineExceeded, coalesce
-from kvtier.store.redis_wire import ProtocolError, ReplyReader, ServerError, pack
+from kvtier.store.redis.breaker import CircuitBreaker
+from kvtier.store.redis.channel import Channel, Deadline, DeadlineExceeded, coalesce
+from kvtier.store.redis.wire import ProtocolError, ReplyReader, ServerError, pack
 
 HEADER = 8
 

@@ -15,9 +15,9 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvtier.store.redis_breaker import CircuitBreaker
-from kvtier.store.redis_endpoint import CONNECT_SHARE, HANDSHAKE_REPLY_SHARE, Endpoint
-from kvtier.store.redis_options import RedisOptions
+from kvtier.store.redis.breaker import CircuitBreaker
+from kvtier.store.redis.endpoint import CONNECT_SHARE, HANDSHAKE_REPLY_SHARE, Endpoint
+from kvtier.store.redis.options import RedisOptions
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ def _client_kwargs(opts: RedisOptions) -> dict[str, Any]:
     from redis.retry import Retry
 
     # Handshakes (AUTH, SELECT) use socket_timeout; every data call sets its own deadline.
-    # RESP2: the reader in redis_wire speaks it (redis-py 8 would otherwise say HELLO 3).
+    # RESP2: the reader in ``wire`` speaks it (redis-py 8 would otherwise say HELLO 3).
     kwargs: dict[str, Any] = {
         "protocol": 2, "socket_timeout": opts.timeout_s * HANDSHAKE_REPLY_SHARE,
         "socket_connect_timeout": min(opts.effective_connect_timeout_s,

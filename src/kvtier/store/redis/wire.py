@@ -1,14 +1,14 @@
 """The RESP wire format of the Redis page store: command encoding and the reply reader.
 
 Owns ``pack`` / ``pack_key_command`` (RESP command encoding) and ``ReplyReader``, which reads
-replies through a ``Channel`` (``redis_channel``) over the socket of a connection redis-py opened
+replies through a ``Channel`` (``channel``) over the socket of a connection redis-py opened
 (redis-py keeps doing connect, AUTH, TLS, SELECT, pooling and cluster topology). Reading
 ourselves lets a GET reply's payload land in the caller's buffer with one copy (the kernel's)
 instead of four (socket buffer, parser buffer, bytes object, caller).
 
 Invariant of ``ReplyReader``: it never holds more bytes than the line and record header of the
 next page-sized bulk reply, so a payload is always read by ``recv_into`` on the destination;
-the one exception is what a bulk page reader (``redis_pages``) received past a reply it could
+the one exception is what a bulk page reader (``pages``) received past a reply it could
 not take and hands back with ``resume`` (at most one pipelined chunk). It
 consumes exactly the replies it was asked for, leaving the connection clean for the pool; on
 any exception the caller must disconnect the connection (its state is then unknown).
@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier.store.redis_channel import Channel
+from kvtier.store.redis.channel import Channel
 
 MISS = None  # a nil bulk reply
 _CRLF = b"\r\n"
@@ -147,7 +147,7 @@ class ReplyReader:
             self.into(memoryview(self._scratch)[:step])
             nbytes -= step
 
-    # ---- handing the socket to a bulk page reader (``redis_pages``) ------------------------
+    # ---- handing the socket to a bulk page reader (``pages``) ------------------------
     @property
     def channel(self) -> Channel:
         return self._channel

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-import kvtier.store.file as file_module
+import kvtier.store.file.store as file_module
 from kvtier.errors import StoreUnavailable
 from kvtier.store import open_store
 from kvtier.store.file import FileStore
-from kvtier.store.segment import MANIFEST, segment_path
+from kvtier.store.file.segment import MANIFEST, segment_path
 from store_contract import key_for, page_bytes_for
 
 BIG = 64 << 10

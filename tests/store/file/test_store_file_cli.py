@@ -13,8 +13,8 @@ from kvtier.cli import main
 from kvtier.errors import ConfigError
 from kvtier.store import open_store
 from kvtier.store.file import FileStore
-from kvtier.store.file_index import split
-from kvtier.store.segment import segment_path
+from kvtier.store.file.index import split
+from kvtier.store.file.segment import segment_path
 from store_contract import key_for, page_bytes_for
 
 PAGE = 4096
