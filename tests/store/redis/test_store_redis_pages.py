@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from test_store_redis_wire import feed
 
 from kvtier.store import open_store
 from kvtier.store.record import HEADER_BYTES, encode_header
@@ -25,7 +26,6 @@ from kvtier.store.redis.verify import PageJudge, Verdicts
 from kvtier.store.redis.wire import ProtocolError, ReplyReader, ServerError, pack, pack_key_command
 from redis_server import RedisServer, needs_redis, running_server
 from store_contract import key_for, page_bytes_for
-from test_store_redis_wire import feed
 
 HEADER = 8
 PAGE = 1000

@@ -6,9 +6,9 @@ records) and verifies every one, appends writes to this process's own segment, a
 them through the shared journal (``journal``) only once their bytes are complete. Several
 processes may open one directory at once: each appends to its own segments, and every process
 sees the others' pages as soon as it next touches the store (one ``fstat`` of the journal per
-call). Eviction lives in ``evict``; record IO in ``record_io``; the layout in ``segment``. No
-background threads: the IO worker threads that call the store do all the work, so nothing can
-die silently.
+call). Eviction lives in ``evict`` (acting through ``site``, the operations it is offered);
+record IO in ``record_io``; the layout in ``segment``. No background threads: the IO worker
+threads that call the store do all the work, so nothing can die silently.
 
 Directory::
 
@@ -54,6 +54,7 @@ from kvtier.store.file.options import FileStoreOptions, file_url_path
 from kvtier.store.file.record_io import RecordIO, plans_of, slot_runs
 from kvtier.store.file.segment import list_segments, load_or_create_manifest
 from kvtier.store.file.segment_files import SegmentReaders, SegmentWriter
+from kvtier.store.file.site import SegmentSite
 from kvtier.store.record import Verdict
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ COMPACT_MIN_ENTRIES = 65536
 COMPACT_FACTOR = 4
 
 
-class FileStore(PageStore):
+class FileStore(SegmentSite, PageStore):
     """Pages in segment files under one directory, shared safely between processes."""
 
     scheme = "file"
