@@ -73,6 +73,21 @@ def _header_fields(stride: int) -> np.dtype:
 #: Bytes 0..20 of a header: magic, version, header size; flags (the place); payload length.
 _FIXED = np.dtype({"names": ["head", "flags", "length"], "formats": ["V8", "<u4", "<u8"],
                    "offsets": [0, 8, 12], "itemsize": 20})
+#: Slots per cached run of expected header bytes (80 KB each; a read run spans at most two).
+_FIXED_SLOTS = 4096
+
+
+@functools.lru_cache(maxsize=64)
+def _fixed_block(layout: RecordLayout, block: int) -> bytes:
+    """Bytes 0..20 of the headers of slots ``block * _FIXED_SLOTS ...`` as written: built once
+    (numpy), then sliced on every batch read, which keeps the place check off the hot path."""
+    fixed = np.empty(_FIXED_SLOTS, _FIXED)
+    fixed["head"] = np.frombuffer(_HEAD_BYTES, "V8")
+    slots = np.arange(block * _FIXED_SLOTS, (block + 1) * _FIXED_SLOTS, dtype=np.uint64)
+    fixed["flags"] = ((layout.table_bytes + slots * layout.payload_stride) // PLACE_UNIT
+                      if layout.places else 0)
+    fixed["length"] = layout.page_bytes
+    return fixed.tobytes()
 
 
 @functools.cache
@@ -166,17 +181,21 @@ class RecordLayout:
         """What slot ``slot``'s header records as its payload's place (0: format 1)."""
         return self.payload_at(slot) // PLACE_UNIT if self.places else 0
 
-    def _fixed(self, slot0: int, count: int) -> np.ndarray:
+    def _places(self, slot0: int, count: int) -> range:
+        """The places the headers of slots ``slot0 ...`` record (payloads are evenly spaced)."""
+        step = self.payload_stride // PLACE_UNIT if self.places else 0
+        first = self.place(slot0)
+        return range(first, first + count * step, step) if step else range(0, 0, 1)
+
+    def _fixed(self, slot0: int, count: int) -> bytes:
         """Bytes 0..20 of the headers of slots ``slot0 ...`` as ``encode_header`` writes them."""
-        fixed = np.empty(count, _FIXED)
-        fixed["head"] = np.frombuffer(_HEAD_BYTES, "V8")
-        if self.places:
-            slots = np.arange(slot0, slot0 + count, dtype=np.uint64)
-            fixed["flags"] = (self.table_bytes + slots * self.payload_stride) // PLACE_UNIT
-        else:
-            fixed["flags"] = 0
-        fixed["length"] = self.page_bytes
-        return fixed
+        pieces, slot, end = [], slot0, slot0 + count
+        while slot < end:
+            block, first = divmod(slot, _FIXED_SLOTS)
+            take = min(end - slot, _FIXED_SLOTS - first)
+            pieces.append(_fixed_block(self, block)[first * 20:(first + take) * 20])
+            slot += take
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
     # ---- encoding ----------------------------------------------------------------------
     def encode_header(self, slot: int, key: bytes, payload: memoryview) -> bytes:
@@ -219,15 +238,15 @@ class RecordLayout:
             if _BIG_ENDIAN:
                 digests.byteswap()
         # Fast path: every record as written, compared as bytes, a few calls per batch.
-        fixed = self._fixed(slot0, count)
-        if (rows["fixed"].tobytes() == fixed.tobytes()
+        if (rows["fixed"].tobytes() == self._fixed(slot0, count)
                 and rows["key"].tobytes() == joined
                 and (digests is None or rows["digest"].tobytes() == digests.tobytes())
                 and _crcs_hold(rows["header"].tobytes(), count) is True):
             return [True] * count
         # Else field by field, to find which records fail.
         ok = rows["head"] == np.frombuffer(_HEAD_BYTES, "V8")
-        ok &= rows["flags"] == fixed["flags"]
+        places = self._places(slot0, count) if self.places else [0] * count
+        ok &= rows["flags"] == np.fromiter(places, np.uint32, count)
         ok &= rows["length"] == np.frombuffer(struct.pack("<Q", self.page_bytes), "V8")
         ok &= rows["key"] == np.frombuffer(joined, _KEY_DTYPE)
         if digests is not None:
