@@ -19,7 +19,7 @@ Directory::
 
 URL: ``file:///abs/path?max_bytes=64GiB&min_free_bytes=1GiB&segment_bytes=256MiB&verify=full
 &direct=false&fsync=false``. ``verify=header`` skips the payload checksum on whole-page reads
-(header, key and length are still checked); ``fsync=true`` makes every acknowledged write
+(header, key, length and the payload's place are still checked); ``fsync=true`` makes every acknowledged write
 durable across power loss (without it, across process crashes).
 """
 
