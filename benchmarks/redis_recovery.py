@@ -3,12 +3,14 @@
 One throwaway ``redis-server`` (no persistence, free loopback port) and, side by side on it, one
 Redis store per breaker setting: the default cap on the breaker's backoff and the cap of earlier
 releases (10 s). Each store has a caller thread writing one 64 KiB page every 20 ms, as an IO
-worker under load would. For each outage length the server is stopped (SIGTERM), kept down,
-started again on the same port, and the time from its first ``PONG`` to each store's first
+worker under load would. For each outage length the server is stopped (``stop``: SIGTERM, then
+started again on the same port) or stalled (``pause``: SIGSTOP, its connections stay open and
+nothing answers, then SIGCONT), and the time from its first ``PONG`` to each store's first
 acknowledged write is the recovery time. Also reported: the slowest call made while the store's
 breaker was open (calls must answer at once), and how many calls waited the deadline out.
 
-    python benchmarks/redis_recovery.py --outages 2,30 --out benchmarks/results/redis_recovery
+    python benchmarks/redis_recovery.py --outages 2,30 --modes stop,pause \
+        --out benchmarks/results/redis_recovery
 
 Main thread plus one caller thread per store.
 """
@@ -19,6 +21,7 @@ import argparse
 import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -76,9 +79,22 @@ class Server:
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGCONT)  # a paused server must wake up to exit
             self.process.terminate()
             self.process.wait(timeout=10)
         self.process = None
+
+    def pause(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> float:
+        """Wake a paused server; returns the monotonic time of its first PONG."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGCONT)
+        while not answers_ping(self.port):
+            time.sleep(0.002)
+        return time.monotonic()
 
 
 @contextlib.contextmanager
@@ -122,15 +138,15 @@ class Caller:
         self._thread.join()
 
 
-def one_outage(server: Server, callers: list[Caller], outage_s: float,
+def one_outage(server: Server, callers: list[Caller], mode: str, outage_s: float,
                timeout_s: float) -> list[dict[str, Any]]:
     for caller in callers:
         caller.log.clear()
     time.sleep(1.0)  # serving before the outage
     down_at = time.monotonic()
-    server.stop()
+    server.stop() if mode == "stop" else server.pause()
     time.sleep(outage_s)
-    back_at = server.start()
+    back_at = server.start() if mode == "stop" else server.resume()
     time.sleep(15.0)  # more than the earlier cap's worst case
     rows = []
     for caller in callers:
@@ -138,7 +154,7 @@ def one_outage(server: Server, callers: list[Caller], outage_s: float,
         after = [s + sec for s, sec, ok, _ in caller.log if s >= back_at and ok]
         open_calls = [sec for _, sec, _, op in during if op]
         rows.append({
-            "setting": caller.name, "outage_s": outage_s,
+            "setting": caller.name, "mode": mode, "outage_s": outage_s,
             "recovery_s": (min(after) - back_at) if after else None,
             "calls_during_outage": len(during),
             "slowest_call_while_open_s": max(open_calls, default=None),
@@ -150,9 +166,14 @@ def one_outage(server: Server, callers: list[Caller], outage_s: float,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--outages", default="2,30", help="Outage lengths in seconds.")
+    parser.add_argument("--modes", default="stop,pause", help="stop (server gone), pause "
+                        "(server stalled: connections open, no answers), or both.")
     parser.add_argument("--out", default="benchmarks/results/redis_recovery",
                         help="Writes OUT.json (and prints the table).")
     args = parser.parse_args(argv)
+    modes = args.modes.split(",")
+    if not set(modes) <= {"stop", "pause"}:
+        raise SystemExit(f"--modes: {args.modes!r}: each must be stop or pause")
     if shutil.which("redis-server") is None:
         raise SystemExit("redis-server is not installed (scripts/install_system_deps.sh)")
     rows: list[dict[str, Any]] = []
@@ -164,11 +185,12 @@ def main(argv: list[str] | None = None) -> int:
             assert isinstance(store, RedisStore)
             callers.append(stack.enter_context(Caller(store, name)))
         timeout_s = callers[0].store.options.timeout_s
-        for outage_s in (float(x) for x in args.outages.split(",")):
-            rows += one_outage(server, callers, outage_s, timeout_s)
-    headers = ["setting", "outage s", "recovery s", "calls", "slowest open call s",
+        for mode in modes:
+            for outage_s in (float(x) for x in args.outages.split(",")):
+                rows += one_outage(server, callers, mode, outage_s, timeout_s)
+    headers = ["setting", "mode", "outage s", "recovery s", "calls", "slowest open call s",
                "calls >= deadline/2"]
-    table = format_table(headers, [[r["setting"], r["outage_s"], r["recovery_s"],
+    table = format_table(headers, [[r["setting"], r["mode"], r["outage_s"], r["recovery_s"],
                                     r["calls_during_outage"], r["slowest_call_while_open_s"],
                                     r["calls_waiting_half_the_deadline"]] for r in rows])
     print(table)
