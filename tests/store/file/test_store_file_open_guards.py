@@ -151,3 +151,49 @@ def test_a_garbage_head_file_is_a_store_unavailable_error(tmp_path: Path) -> Non
     (root / "HEAD").write_text("not a number\n")
     with pytest.raises(StoreUnavailable, match="HEAD"):
         open_file(root, page=4096)
+
+
+def test_a_store_of_format_1_still_reads_and_takes_new_pages(tmp_path: Path,
+                                                              monkeypatch) -> None:
+    """A directory written before headers carried their place (manifest version 1, flags 0,
+    snapshots without a segment id) opens, serves its pages and takes new ones."""
+    import dataclasses
+
+    import xxhash
+
+    import kvtier.store.file.segment as segment
+
+    root = tmp_path / "store"
+    plan = segment.RecordLayout.plan
+    with monkeypatch.context() as patch:
+        patch.setattr(segment, "FORMAT_VERSION", 1)
+        patch.setattr(segment.RecordLayout, "plan", classmethod(
+            lambda cls, *args: dataclasses.replace(plan(*args), places=False)))
+        patch.setattr(file_module, "COMPACT_MIN_ENTRIES", 8)
+        store = open_file(root, page=4096)
+        for _ in range(10):
+            fill(store, range(6))  # overwrites: compacts, so a snapshot exists
+        store.close()
+    assert json.loads((root / MANIFEST).read_text())["version"] == 1
+    snapshots = sorted(root.glob("snapshot.*"))
+    assert snapshots
+    for path in snapshots:  # rewrite each snapshot as format 1 wrote it
+        data = bytearray(path.read_bytes())
+        body = bytes(data[64:])
+        data[0:8] = b"KVTSNAP1"
+        data[16:24] = xxhash.xxh3_64_intdigest(body).to_bytes(8, "little")
+        data[24:32] = bytes(8)
+        path.write_bytes(bytes(data))
+    store = open_file(root, page=4096)
+    try:
+        assert not store.layout.places
+        assert served_wrong(store, range(6)) == (6, 0)
+        fill(store, range(6, 12))
+        assert served_wrong(store, range(12)) == (12, 0)
+    finally:
+        store.close()
+    store = open_file(root, page=4096, verify="header")
+    try:
+        assert served_wrong(store, range(12)) == (12, 0)
+    finally:
+        store.close()
