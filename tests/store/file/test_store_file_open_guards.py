@@ -95,12 +95,14 @@ def test_a_directory_named_like_a_segment_neither_breaks_opening_nor_writing(
     fill(store, range(4))
     store.close()
     stray = segment_path(root / "segments", 778)
-    stray.mkdir()
+    in_the_way = segment_path(root / "segments", 1)  # the id the next segment would take
     old = time.time() - 3600
-    os.utime(stray, (old, old))  # older than the leftover age: cleanup looks at it
+    for directory in (stray, in_the_way):
+        directory.mkdir()
+        os.utime(directory, (old, old))  # older than the leftover age: cleanup looks at it
     store = open_file(root, page=4096)
     try:
-        assert "segments" in store.disk_usage() and stray.is_dir()
+        assert "segments" in store.disk_usage() and stray.is_dir() and in_the_way.is_dir()
         assert served_wrong(store, range(4)) == (4, 0)
         store.writer.seal_all()
         fill(store, range(4, 8))
