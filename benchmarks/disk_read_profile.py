@@ -43,7 +43,7 @@ from kvtier.commands.bench_store import aligned_pages, run_batches, source_pages
 from kvtier.config import parse_size
 from kvtier.machine import format_table, write_report
 from kvtier.store.file import FileStore
-from kvtier.store.file_io import plans_of
+from kvtier.store.file.record_io import plans_of
 
 STAGES = ("raw", "copy", "hash", "headers", "read_many", "read_into")
 
@@ -101,7 +101,8 @@ def stages(store: FileStore, keys: list[bytes], batch: int) -> dict[str, Callabl
 
     def header_checks() -> None:
         for start in starts:
-            layout.verify_many(headers, keys[start:start + batch], dest, check_payload=False)
+            layout.verify_many(headers, slot0, keys[start:start + batch], dest,
+                               check_payload=False)
 
     def read_many() -> None:
         for start in starts:

@@ -48,8 +48,7 @@ from kvtier.commands.bench_store import aligned_pages, run_batches
 from kvtier.commands.raw_disk import RawReads
 from kvtier.config import parse_size
 from kvtier.machine import format_table, write_report
-from kvtier.store import segment
-from kvtier.store.file import FileStore
+from kvtier.store.file import FileStore, segment
 
 VARIANTS = ("raw", "records", "records_nohash", "records_ctypes", "store", "store_nohash")
 

@@ -9,7 +9,7 @@ import pytest
 
 from kvtier.errors import ConfigError
 from kvtier.store.file import FileStore
-from kvtier.store.file_options import FileStoreOptions
+from kvtier.store.file.options import FileStoreOptions
 from kvtier.store.memory import MemoryStore
 
 PAGE = 512

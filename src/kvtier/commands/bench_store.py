@@ -55,6 +55,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from kvtier.config import ControllerConfig, parse_size
+from kvtier.errors import ConfigError
 from kvtier.machine import format_table, write_report
 
 RAW_BASELINES: dict[str, str] = {
@@ -72,19 +73,58 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--url", required=True, help="Store URL (file:// runs in a fresh "
                         "subdirectory per run, removed afterwards).")
     size = parser.add_mutually_exclusive_group(required=True)
-    size.add_argument("--pages", type=int, help="Pages per run.")
-    size.add_argument("--total", help="Bytes per run (e.g. 1GiB); pages = total / page bytes.")
-    parser.add_argument("--page-bytes", default="64KiB", help="Page sizes, comma-separated.")
-    parser.add_argument("--threads", default=str(ControllerConfig().io_workers),
+    size.add_argument("--pages", type=_positive_int, help="Pages per run.")
+    size.add_argument("--total", type=_positive_size,
+                      help="Bytes per run (e.g. 1GiB); pages = total / page bytes.")
+    parser.add_argument("--page-bytes", type=_listed(_positive_size), default=[64 << 10],
+                        help="Page sizes, comma-separated (default: 64KiB).")
+    parser.add_argument("--threads", type=_listed(_positive_int),
+                        default=[ControllerConfig().io_workers],
                         help="IO thread counts, comma-separated (default: controller.io_workers).")
-    parser.add_argument("--batch", type=int, default=32, help="Pages per store call.")
+    parser.add_argument("--batch", type=_positive_int, default=32, help="Pages per store call.")
     parser.add_argument("--cold", action="store_true", help="Cold reads only (same as "
                         "--cache cold).")
     parser.add_argument("--cache", choices=("warm", "cold", "both"), default="warm",
                         help="Page cache state for the read phases.")
-    parser.add_argument("--repeats", type=int, default=3, help="Read passes (best taken).")
+    parser.add_argument("--repeats", type=_positive_int, default=3,
+                        help="Read passes (best taken).")
     parser.add_argument("--json", metavar="OUT", help="Write results as JSON here.")
     parser.set_defaults(handler=run)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_size(text: str) -> int:
+    value = parse_size(text)
+    if value is None or value < 1:
+        raise argparse.ArgumentTypeError(f"not a positive byte count such as 64KiB: {text!r}")
+    return value
+
+
+def _listed(one: Callable[[str], int]) -> Callable[[str], list[int]]:
+    """An argparse type for a comma-separated list of ``one``'s values."""
+
+    def parse(text: str) -> list[int]:
+        return [one(part.strip()) for part in text.split(",")]
+
+    return parse
+
+
+def _store_dir(url: str) -> Path | None:
+    """A ``file://`` URL's directory (refused unless absolute and local); None otherwise."""
+    if urlsplit(url).scheme != "file":
+        return None
+    from kvtier.store.file.options import file_url_path
+
+    return file_url_path(url)
 
 
 def drop_caches() -> bool:
@@ -100,10 +140,10 @@ def drop_caches() -> bool:
 def flush_files(url: str) -> None:
     """fdatasync every file of a ``file://`` store (not ``os.sync()``: that would also wait
     for whatever else the machine has dirty)."""
-    parts = urlsplit(url)
-    if parts.scheme != "file":
+    root = _store_dir(url)
+    if root is None:
         return
-    for path in Path(parts.path).rglob("*"):
+    for path in root.rglob("*"):
         if path.is_file():
             fd = os.open(path, os.O_RDONLY)
             try:
@@ -154,12 +194,12 @@ def source_pages(page_bytes: int) -> list[memoryview]:
 
 
 def _fresh_location(url: str, page_bytes: int) -> tuple[str, Callable[[], None]]:
-    parts = urlsplit(url)
-    if parts.scheme != "file":
+    root = _store_dir(url)
+    if root is None:
         return url, lambda: None
-    path = Path(parts.path) / f"bench-{page_bytes}-{os.getpid()}"
+    path = root / f"bench-{page_bytes}-{os.getpid()}"
     shutil.rmtree(path, ignore_errors=True)
-    return (urlunsplit(parts._replace(path=str(path))),
+    return (urlunsplit(urlsplit(url)._replace(path=str(path))),
             lambda: shutil.rmtree(path, ignore_errors=True))
 
 
@@ -296,9 +336,12 @@ def run(args: argparse.Namespace) -> int:
     modes = {"warm": [False], "cold": [True], "both": [False, True]}["cold" if args.cold
                                                                       else args.cache]
     runs = []
-    for page_bytes in (parse_size(p) for p in args.page_bytes.split(",")):
-        pages = args.pages or parse_size(args.total) // page_bytes
-        for threads in (int(t) for t in args.threads.split(",")):
+    _store_dir(args.url)  # a file:// URL that names no local directory fails here, first
+    for page_bytes in args.page_bytes:
+        pages = args.pages or args.total // page_bytes
+        if pages < 1:
+            raise ConfigError("--total", args.total, f"at least one page of {page_bytes} bytes")
+        for threads in args.threads:
             for cold in modes:
                 runs.append(bench_one(args.url, page_bytes, pages, threads, args.batch, cold,
                                       args.repeats))

@@ -33,7 +33,7 @@ class RawReads:
 
     def __init__(self, store: PageStore, keys: Sequence[bytes], threads: int, batch: int) -> None:
         from kvtier.store.file import FileStore
-        from kvtier.store.file_tools import payload_locations
+        from kvtier.store.file.tools import payload_locations
 
         if not isinstance(store, FileStore):
             raise TypeError("the raw disk baseline needs a file:// store")

@@ -1,7 +1,9 @@
 """``kvtier store ls|stats|verify|gc --url URL``: inspect and maintain a page store.
 
 ``stats`` works for any store URL; ``ls``, ``verify`` and ``gc`` look inside ``file://`` stores.
-``verify`` reads and checks every live record (with a progress bar) and exits 1 when any fails;
+``verify`` reads and checks every live record (with a progress bar) and exits 1 when any fails
+(exit 1 means damage found, nothing else: a store that cannot be opened, or a bad argument, is
+``kvtier: error: ...`` and exit 2, as for every command);
 ``gc`` evicts the oldest segments until the store is at most ``--target`` bytes. A file store's
 page size comes from its manifest; other stores need ``--page-bytes``. Opening never creates a
 store. Runs on the main thread.
@@ -12,12 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
 
 from kvtier.config import parse_size
-from kvtier.errors import ConfigError, StoreUnavailable
+from kvtier.errors import ConfigError, KvtierError, StoreUnavailable
 
 
 def register(subparsers: Any) -> None:
@@ -59,22 +60,28 @@ def _open(args: argparse.Namespace, need_file: bool = False) -> Any:
     parts = urlsplit(args.url)
     page_bytes = args.page_bytes
     if parts.scheme == "file":
-        from kvtier.store.segment import MANIFEST, read_manifest
+        from kvtier.store.file.options import file_url_path
+        from kvtier.store.file.segment import MANIFEST, read_manifest
 
-        root = Path(unquote(parts.path))
+        root = file_url_path(args.url)
         if not (root / MANIFEST).exists():
-            raise StoreUnavailable(f"no kvtier file store at {root}")
+            raise StoreUnavailable(f"no kvtier file store at {root} (no {MANIFEST} there)")
         page_bytes = page_bytes or read_manifest(root).page_bytes
     elif need_file:
         raise ConfigError("--url", args.url, f"a file:// store for 'kvtier store {args.store_command}'")
     if not page_bytes:
         raise ConfigError("--page-bytes", None, "the page size of the store (required for "
                           f"{parts.scheme}:// stores)")
-    return open_store(args.url, page_bytes=page_bytes)
+    try:
+        return open_store(args.url, page_bytes=page_bytes)
+    except KvtierError:
+        raise
+    except OSError as exc:  # anything the store did not name itself: still an open error
+        raise StoreUnavailable(f"cannot open {args.url}: {exc}") from None
 
 
 def run_ls(args: argparse.Namespace) -> int:
-    from kvtier.store.file_tools import iter_pages
+    from kvtier.store.file.tools import iter_pages
 
     with _open(args, need_file=True) as store:
         rows = []
@@ -106,7 +113,7 @@ def run_stats(args: argparse.Namespace) -> int:
 def run_verify(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from kvtier.store.file_tools import VERDICTS, verify_all
+    from kvtier.store.file.tools import VERDICTS, verify_all
 
     with _open(args, need_file=True) as store:
         total = store.stats().pages

@@ -10,7 +10,7 @@ Header layout (little-endian)::
     0   4  magic  b"KVTR"
     4   2  record format version
     6   2  header size (64)
-    8   4  flags (0)
+    8   4  flags (0; a disk segment puts the payload's place there, see ``file.segment``)
     12  8  payload length
     20  8  payload checksum: xxh3_64
     28 32  page key
@@ -50,13 +50,13 @@ def payload_checksum(payload: bytes | bytearray | memoryview) -> int:
 
 
 def encode_header(key: bytes, payload: bytes | bytearray | memoryview,
-                  checksum: int | None = None) -> bytes:
-    """The 64-byte header for ``payload`` stored under ``key``."""
+                  checksum: int | None = None, flags: int = 0) -> bytes:
+    """The 64-byte header for ``payload`` stored under ``key`` (``flags``: see the layout)."""
     if len(key) != KEY_BYTES:
         raise ValueError(f"key must be {KEY_BYTES} bytes")
     length = memoryview(payload).nbytes
     digest = payload_checksum(payload) if checksum is None else checksum
-    body = _STRUCT.pack(MAGIC, RECORD_VERSION, HEADER_BYTES, 0, length, digest, bytes(key))
+    body = _STRUCT.pack(MAGIC, RECORD_VERSION, HEADER_BYTES, flags, length, digest, bytes(key))
     return body + struct.pack("<I", zlib.crc32(body))
 
 
