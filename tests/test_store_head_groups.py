@@ -102,3 +102,12 @@ def test_tiered_caches_of_two_ranks_store_what_one_whole_cache_loads():
             assert torch.equal(whole.device_pool.kv[:, :, page_id],
                                pattern(tokens[i * P:(i + 1) * P]))
         whole.release(loaded)
+
+
+def test_a_rank_cache_whose_heads_are_not_whole_groups_is_refused_before_stores_open(tmp_path):
+    flags = {"cache.page_size": P, "cache.device_pages": 4, "host.pool_bytes": 1 << 20,
+             "store.disk_url": f"file://{tmp_path / 'store'}"}
+    with pytest.raises(ConfigError, match="heads_per_record"):
+        TieredCache.build(build_config(env={}, flags=flags), CACHE_LAYOUT, NAMESPACE,
+                          heads=(1, 2), heads_per_record=2)
+    assert not (tmp_path / "store").exists()

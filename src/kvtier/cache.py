@@ -251,9 +251,9 @@ def _head_group_stores(config: KvtierConfig, layout: KVLayout, heads: tuple[int,
                        heads_per_record: int, stores: dict[str, PageStore] | None, *,
                        open_config: bool) -> dict[str, PageStore]:
     """The rank's view (``HeadGroupStore``) of each shared store of head-group records."""
-    from kvtier.store.head_groups import HeadGroupStore, group_layout
+    from kvtier.store.head_groups import HeadGroupStore, check_heads
 
-    record = group_layout(layout, heads_per_record)
+    record = check_heads(layout, heads, heads_per_record)  # before any store opens
     inner = stores if stores is not None else _open_stores(config, record) if open_config else {}
     return {tier: HeadGroupStore(store, layout, heads, heads_per_record)
             for tier, store in inner.items()}

@@ -34,16 +34,23 @@ def group_layout(layout: KVLayout, heads_per_record: int) -> KVLayout:
     return layout.for_heads((0, heads_per_record))
 
 
+def check_heads(layout: KVLayout, heads: tuple[int, int], heads_per_record: int) -> KVLayout:
+    """The record layout, once ``heads`` is known to be whole groups of ``heads_per_record``."""
+    record = group_layout(layout, heads_per_record)
+    layout.for_heads(heads)
+    if heads[0] % heads_per_record or heads[1] % heads_per_record:
+        raise ConfigError("heads_per_record", heads_per_record,
+                          f"a divisor of both ends of the rank's heads [{heads[0]}, {heads[1]})")
+    return record
+
+
 class HeadGroupStore(PageStore):
     """Pages of KV heads ``heads`` of ``layout`` over ``inner``'s head-group records."""
 
     def __init__(self, inner: PageStore, layout: KVLayout, heads: tuple[int, int],
                  heads_per_record: int = 1) -> None:
-        record = group_layout(layout, heads_per_record)
+        record = check_heads(layout, heads, heads_per_record)
         h0, h1 = heads
-        if h0 % heads_per_record or h1 % heads_per_record:
-            raise ConfigError("heads_per_record", heads_per_record,
-                              f"a divisor of both ends of the rank's heads [{h0}, {h1})")
         if inner.page_bytes != record.page_bytes:
             raise ValueError(f"the inner store holds {inner.page_bytes}-byte records, a group "
                              f"of {heads_per_record} heads is {record.page_bytes} bytes")
