@@ -101,3 +101,15 @@ def test_bad_ranges_raise():
         LAYOUT.byte_ranges(layers=(2, 2))
     with pytest.raises(ValueError):
         LAYOUT.head_range_for_rank(0, 3)  # 8 heads do not split over 3
+
+
+def test_a_head_range_layout_is_the_canonical_page_of_that_slice():
+    page = _page(LAYOUT)
+    share = LAYOUT.for_heads((2, 6))
+    assert (share.num_kv_heads, share.num_layers, share.page_size) == (4, 4, 4)
+    assert share.page_bytes == LAYOUT.slice_bytes(heads=(2, 6))
+    sliced = _gather(page, LAYOUT.byte_ranges(heads=(2, 6)))
+    view = sliced.view(np.uint16).reshape(share.page_shape())
+    assert np.array_equal(view, page.view(np.uint16).reshape(LAYOUT.page_shape())[:, :, :, 2:6])
+    with pytest.raises(ValueError):
+        LAYOUT.for_heads((6, 6))

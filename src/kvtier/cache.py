@@ -65,8 +65,15 @@ class TieredCache:
     @classmethod
     def build(cls, config: KvtierConfig, layout: KVLayout, namespace: KeyNamespace, *,
               device: str = "cpu", collective: Collective | None = None,
-              stores: dict[str, PageStore] | None = None) -> TieredCache:
+              stores: dict[str, PageStore] | None = None, heads: tuple[int, int] | None = None,
+              heads_per_record: int = 1) -> TieredCache:
         """Pools, stores, workers, index and controller from ``config``.
+
+        ``heads`` (a tensor-parallel rank's KV heads of ``layout``, the full model's layout)
+        builds the cache of that share: pools of ``layout.for_heads(heads)``, and every store
+        (opened from the config or given in ``stores``) seen through a ``HeadGroupStore`` of
+        ``heads_per_record`` heads a record, so ranks of any TP size share pages. ``namespace``
+        is the full model's, the same on every rank.
 
         ``stores`` (tier -> store) replaces the stores the config names (tests wrap stores in
         latency or fault injectors this way). Store tiers without a host pool, and a host pool
@@ -78,6 +85,9 @@ class TieredCache:
         from kvtier.memory.device_pool import DevicePool
 
         _check_page_sizes(config, layout, namespace)
+        model_layout = layout
+        if heads is not None:
+            layout = model_layout.for_heads(heads)
         _check_host_tier(config, layout, stores)
         device_pool = _device_pool(DevicePool, config, layout, device)
         budget = PinnedBudget(config.host.pinned_budget_bytes)
@@ -85,7 +95,11 @@ class TieredCache:
         if config.host.pool_bytes:
             host_pool = HostPool.from_bytes(layout, config.host.pool_bytes, budget,
                                             host_layout=config.host.layout)
-        opened = stores if stores is not None else open_stores(config, layout) if host_pool else {}
+        if heads is None:
+            opened = stores if stores is not None else open_stores(config, layout) if host_pool else {}
+        else:
+            opened = _head_group_stores(config, model_layout, heads, heads_per_record, stores,
+                                        open_config=host_pool is not None)
         ctx = CacheContext(
             index=RadixIndex(layout.page_size, allocators={"device": device_pool.allocator},
                              policies=config.cache.eviction_policy), namespace=namespace,
@@ -227,3 +241,16 @@ def _device_pool(pool_cls: type[DevicePool], config: KvtierConfig, layout: KVLay
     available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     budget = min(int(available * config.cache.device_memory_fraction), CPU_DEVICE_POOL_CAP_BYTES)
     return pool_cls(layout, max(1, budget // layout.page_bytes), device)
+
+
+def _head_group_stores(config: KvtierConfig, layout: KVLayout, heads: tuple[int, int],
+                       heads_per_record: int, stores: dict[str, PageStore] | None, *,
+                       open_config: bool) -> dict[str, PageStore]:
+    """The rank's view (``HeadGroupStore``) of each shared store of head-group records."""
+    from kvtier.store.head_groups import HeadGroupStore, check_heads
+
+    record = check_heads(layout, heads, heads_per_record)  # before any store opens
+    inner = stores if stores is not None else open_stores(config, record) if open_config else {}
+    return {tier: HeadGroupStore(store, layout, heads, heads_per_record)
+            for tier, store in inner.items()}
+

@@ -126,6 +126,15 @@ class KVLayout:
         share = self.num_kv_heads // world
         return (rank * share, (rank + 1) * share)
 
+    def for_heads(self, heads: tuple[int, int]) -> KVLayout:
+        """The layout of KV heads ``[h0, h1)`` alone: what a rank holding them keeps per page
+        (its pools, and the canonical page of its share)."""
+        h0, h1 = heads
+        if not 0 <= h0 < h1 <= self.num_kv_heads:
+            raise ValueError(f"head range [{h0}, {h1}) outside [0, {self.num_kv_heads})")
+        return KVLayout(self.num_layers, h1 - h0, self.head_dim, self.dtype, self.page_size,
+                        self.mla)
+
     def byte_ranges(
         self,
         heads: tuple[int, int] | None = None,
