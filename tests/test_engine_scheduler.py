@@ -11,31 +11,31 @@ import time
 import pytest
 
 from kvtier.engine.request import FinishEvent, GenerationRequest, PrefillReport, RequestHandle, TokenEvent
-from kvtier.engine.runner import Sequence
+from kvtier.engine.runner import Sequence, StepResult
 from kvtier.engine.sampling import Sampler, SamplingParams
 from kvtier.engine.scheduler import QueueFull, Scheduler
 
 
 class ScriptedEngine:
-    """Emits token ``i`` at step ``i``; a prompt of [999] fails its prefill."""
+    """Emits token ``i`` at step ``i``; a prompt of [999] fails its admission."""
 
     def __init__(self, gate: threading.Event | None = None) -> None:
         self.prefills: list[str] = []
         self.gate = gate
 
-    def prefill(self, handle: RequestHandle) -> Sequence:
+    def admit(self, handle: RequestHandle) -> Sequence:
         if self.gate is not None:
             self.gate.wait(10)
         if handle.request.prompt_ids == (999,):
             raise RuntimeError("bad prompt")
         self.prefills.append(handle.request.tenant)
-        seq = Sequence(handle, None, Sampler(SamplingParams()), list(handle.request.prompt_ids),
-                       PrefillReport(len(handle.request.prompt_ids)))
-        self._emit(seq)
-        return seq
+        return Sequence(handle, None, Sampler(SamplingParams()), list(handle.request.prompt_ids),
+                        PrefillReport(len(handle.request.prompt_ids)))
 
-    def decode(self, seq: Sequence) -> None:
-        self._emit(seq)
+    def step(self, running: list[Sequence]) -> StepResult:
+        for seq in running:
+            self._emit(seq)
+        return StepResult()
 
     def _emit(self, seq: Sequence) -> None:
         seq.tokens.append(seq.generated)

@@ -21,9 +21,6 @@ def register(subparsers: Any) -> None:
                     "reference engine (transformers) with kvtier's tiered KV cache.")
     parser.add_argument("--no-cache", action="store_true",
                         help="Run the same engine with kvtier off (sets cache.enabled=false).")
-    parser.add_argument("--max-running", type=int, default=4, metavar="N",
-                        help="Sequences generated at once; others wait in the fair queue "
-                             "[default: 4].")
     add_config_flags(parser)
     parser.set_defaults(handler=run)
 
@@ -51,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     def ready(base: str) -> None:
         print(how_to_call(base, flags_config, _model_name(flags_config)), flush=True)
 
-    serve(flags_config, max_running=args.max_running, ready=ready)
+    serve(flags_config, ready=ready)
     return 0
 
 

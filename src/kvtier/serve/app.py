@@ -88,14 +88,13 @@ def _version() -> str:
     return __version__
 
 
-def serve(config: KvtierConfig, *, max_running: int = 4, ready: Callable[[str], None] | None = None
-          ) -> None:
+def serve(config: KvtierConfig, *, ready: Callable[[str], None] | None = None) -> None:
     """Load the engine, then serve HTTP until interrupted."""
     import uvicorn
 
     from kvtier.engine.service import EngineService
 
-    service = EngineService.build(config, max_running=max_running)
+    service = EngineService.build(config)
     app = create_app(service, config)
     base = f"http://{config.server.host}:{config.server.port}"
     if ready is not None:
