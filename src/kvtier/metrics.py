@@ -144,6 +144,12 @@ def _scheduler(sched: Mapping[str, Any], http: Mapping[str, Any]) -> Iterator[Me
                    ("reason",))
     yield _gauge("kvtier_http_requests_in_flight", "HTTP requests being served (operator "
                  "routes excluded).", [((), http.get("in_flight", 0))])
+    for key, name, doc in (("steps", "kvtier_engine_steps_total", "Batched forwards run."),
+                           ("batched_tokens", "kvtier_engine_batched_tokens_total",
+                            "Tokens run by batched forwards (decodes and prefill chunks)."),
+                           ("preempted", "kvtier_engine_preempted_total",
+                            "Sequences preempted because the device pool ran out.")):
+        yield _counter(name, doc, [((), sched.get(key, 0))])
 
 
 def _cache(cache: Mapping[str, Any]) -> Iterator[Metric]:

@@ -59,7 +59,7 @@ def build_workload(args: argparse.Namespace) -> list[Any]:
         return w.shared_prefix(args.num_requests, args.groups, args.prefix_len, args.input_len,
                                args.output_len, args.vocab, args.seed)
     return w.multi_turn(Path(args.trace), args.num_requests, args.block_tokens, args.output_len,
-                        args.vocab)
+                        args.vocab)[:args.num_requests]
 
 
 def measure(url: str, requests: list[Any], args: argparse.Namespace) -> dict[str, Any]:

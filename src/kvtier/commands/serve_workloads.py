@@ -4,12 +4,13 @@ Owns ``ServeRequest`` (token-id prompt, tokens to generate, a tenant) and the th
 builders. Prompts are token ids, so every server gets exactly the same tokens whatever its
 tokenizer. Ids come from seeded ``random.Random`` streams, identical across processes.
 
-``multi_turn`` replays the Mooncake conversation trace (``timestamp``, ``input_length``,
+``multi_turn`` replays conversations of the Mooncake trace (``timestamp``, ``input_length``,
 ``output_length``, ``hash_ids``: one id per 512-token block, equal ids = equal content): each
 block id becomes a fixed run of ``block_tokens`` token ids, a prompt is its blocks' runs in
 order cut to its input length scaled by ``block_tokens / 512``, so the trace's lengths and its
-prefix structure (which requests share which leading blocks) carry over at any scale. Main
-thread.
+prefix structure (which turns share which leading blocks) carry over at any scale. Whole
+conversations are taken (their turns are minutes apart in the trace, so the trace's first
+requests alone would share little more than the system block). Main thread.
 """
 
 from __future__ import annotations
@@ -52,29 +53,38 @@ def shared_prefix(count: int, groups: int, prefix_len: int, input_len: int, outp
                          tenant=f"group-{i % groups}") for i in range(count)]
 
 
-def multi_turn(trace: Path, count: int, block_tokens: int, max_output: int, vocab: int,
-               skip: int = 0) -> list[ServeRequest]:
-    """The first ``count`` requests of the trace after ``skip``, in timestamp order."""
+def multi_turn(trace: Path, count: int, block_tokens: int, max_output: int,
+               vocab: int) -> list[ServeRequest]:
+    """About ``count`` requests: every turn of the trace's first conversations with two turns or
+    more, in timestamp order. A conversation is named by its second block (every request of
+    the trace starts with the same first block, a shared system prompt)."""
     if block_tokens < 1:
         raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
-    scale = block_tokens / TRACE_BLOCK_TOKENS
-    out: list[ServeRequest] = []
+    conversations: dict[int, list[dict]] = {}
     with open(trace) as lines:
-        for number, line in enumerate(lines):
-            if number < skip:
-                continue
-            if len(out) >= count:
-                break
+        for line in lines:
             record = json.loads(line)
-            blocks = [_block(int(h), block_tokens, vocab) for h in record["hash_ids"]]
-            tokens = [t for block in blocks for t in block]
-            length = max(1, min(len(tokens), round(record["input_length"] * scale)))
-            new = max(1, min(max_output, round(record["output_length"] * scale)))
-            out.append(ServeRequest(tuple(tokens[:length]), new,
-                                    tenant=f"chain-{record['hash_ids'][0]}"))
-    if not out:
-        raise ValueError(f"{trace} has no requests after line {skip}")
-    return out
+            if len(record["hash_ids"]) > 1:
+                conversations.setdefault(int(record["hash_ids"][1]), []).append(record)
+    chosen: list[dict] = []
+    for turns in conversations.values():
+        if len(chosen) >= count:
+            break
+        if len(turns) >= 2:
+            chosen += turns
+    if not chosen:
+        raise ValueError(f"{trace} has no conversation of two turns or more")
+    chosen.sort(key=lambda record: record["timestamp"])
+    scale = block_tokens / TRACE_BLOCK_TOKENS
+    return [_turn(record, block_tokens, scale, max_output, vocab) for record in chosen]
+
+
+def _turn(record: dict, block_tokens: int, scale: float, max_output: int,
+          vocab: int) -> ServeRequest:
+    tokens = [t for h in record["hash_ids"] for t in _block(int(h), block_tokens, vocab)]
+    length = max(1, min(len(tokens), round(record["input_length"] * scale)))
+    new = max(1, min(max_output, round(record["output_length"] * scale)))
+    return ServeRequest(tuple(tokens[:length]), new, tenant=f"conversation-{record['hash_ids'][1]}")
 
 
 def _block(hash_id: int, block_tokens: int, vocab: int) -> list[int]:
