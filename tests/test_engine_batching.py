@@ -160,3 +160,29 @@ def test_hits_from_every_tier_and_every_split_give_the_cold_tokens(tmp_path):
             on_engine(cache.tiered.check_integrity)
     finally:
         service.close()
+
+
+def test_a_lone_fresh_hit_runs_its_suffix_through_the_static_forward():
+    """The captured suffix forwards (run eagerly on the CPU) serve a hit on an idle engine; the
+    KV they compute lands in the sequence's pages, so the batched decode after them matches."""
+    from kvtier.engine import graphs
+    from kvtier.engine.prefix import PrefixCache
+
+    lm, config = tiny_lm(), make_config()
+    prefix_cache = PrefixCache.build(config, lm)
+    prefix_cache.graphs = graphs.SuffixGraphs(lm, 512, capture=False)
+    service = EngineService(config, lm, prefix_cache, max_running=2)
+    shared = _prompt(48, 40)
+    try:
+        _run(service, [shared + [1, 2]], 2)
+        got = [_run(service, [shared + _prompt(9, 41 + i)], 6)[0] for i in range(2)]
+        served = service.engine.stats()["suffix_graph_steps"]
+        service.scheduler.call_soon(lambda: prefix_cache.drop_tiers(("device",))).result(60)
+        host = service.generate(GenerationRequest(tuple(shared + [3] * 9), 6), timeout=60)
+        served_host = service.engine.stats()["suffix_graph_steps"]
+    finally:
+        service.close()
+    assert got == [_greedy(lm, shared + _prompt(9, 41 + i), 6) for i in range(2)]
+    assert served == 2
+    assert host[0] == _greedy(lm, shared + [3] * 9, 6)
+    assert host[1].prefill.cached_by_tier["host"] == 48 and served_host == 3

@@ -149,7 +149,7 @@ def forward_batch(lm: Any, rows: Sequence[BatchRow], pool: torch.Tensor,
     if not rows or any(not row.tokens for row in rows):
         raise ValueError("every row of a batch needs at least one new token")
     if lm.model.config._attn_implementation not in _registered():
-        raise RuntimeError("the paged attention is not installed on this model (paged.install)")
+        install(lm.model)  # something set another attention since (e.g. the suffix graphs)
     batch = PagedBatch(rows, pool, backend or backend_for(lm.device))
     ids = [t for row in rows for t in row.tokens]
     positions = [p for row in rows for p in range(row.start, row.end)]

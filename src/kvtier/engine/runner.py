@@ -27,6 +27,7 @@ from kvtier.engine.prefix import MIN_OBSERVED_PREFILL_TOKENS
 from kvtier.engine.request import FinishEvent, PrefillReport, RequestHandle, TokenEvent
 from kvtier.engine.sampling import Sampler
 from kvtier.engine.seq_pages import SeqPages
+from kvtier.engine.suffix_step import SuffixStep
 from kvtier.errors import PoolExhausted
 
 #: Prompt tokens all prefills of one step run at most by default (``engine.prefill_chunk_tokens``).
@@ -68,6 +69,8 @@ class Engine:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         self.lm, self.pages, self.chunk_tokens = lm, pages, chunk_tokens
         self.prefix_cache = prefix_cache   # observes cold prefill rates for the split
+        graphs = getattr(prefix_cache, "graphs", None)
+        self.suffix = SuffixStep(lm, graphs) if graphs is not None else None
         self.counters = {"steps": 0, "batched_tokens": 0, "preempted": 0}
 
     # ---- admission -------------------------------------------------------------------------
@@ -146,7 +149,9 @@ class Engine:
         rows = [row for _, row in planned]
         started = time.perf_counter()
         try:
-            logits = paged.forward_batch(self.lm, rows, self.pages.kv)
+            logits = self._suffix(planned)
+            if logits is None:
+                logits = paged.forward_batch(self.lm, rows, self.pages.kv)
         except Exception as exc:  # the step's sequences fail; the engine keeps serving
             result.failed += [(seq, exc) for seq, _ in planned]
             return
@@ -165,6 +170,15 @@ class Engine:
                 result.failed.append((seq, exc))
         if len(planned) == 1 and done:
             self._observe(planned[0][0], time.perf_counter() - started)
+
+    def _suffix(self, planned: list[tuple[Sequence, paged.BatchRow]]) -> torch.Tensor | None:
+        """A lone fresh hit's suffix through the captured graphs (``suffix_step``), or None."""
+        if self.suffix is None or len(planned) != 1:
+            return None
+        seq, row = planned[0]
+        if not self.suffix.eligible(row, len(seq.tokens), not seq.committed, self.pages.page_size):
+            return None
+        return self.suffix.run(row, self.pages.kv)
 
     def _choose(self, planned: list[tuple[Sequence, Any]], logits: torch.Tensor,
                 done: list[int]) -> list[int]:
@@ -225,4 +239,5 @@ class Engine:
                                          None if error is None else type(error).__name__))
 
     def stats(self) -> dict[str, Any]:
-        return dict(self.counters)
+        served = {"suffix_graph_steps": self.suffix.served} if self.suffix is not None else {}
+        return {**self.counters, **served}
