@@ -78,11 +78,30 @@ class PagedBatch:
         self.context_slots = context                     # each row's past + new, in order
         self.tickets = [row.ticket for row in self.rows if row.ticket is not None]
         self.triton = None
+        if backend == "torch":
+            self._decodes_as_one(device)
         if backend == "triton":
             from kvtier.engine import paged_triton
 
             self.triton = paged_triton.TritonBatch.build(self.rows, self.q_starts, page_size,
                                                          device)
+
+    def _decodes_as_one(self, device: torch.device) -> None:
+        """Rows of one new token attend in one call: their slots padded to the longest row,
+        the padding masked out. Longer rows (prefill chunks) go one by one."""
+        decodes = [i for i, row in enumerate(self.rows) if len(row.tokens) == 1]
+        self.singles = [i for i in range(len(self.rows)) if i not in set(decodes)]
+        self.decode_queries = torch.as_tensor([self.q_starts[i] for i in decodes],
+                                              dtype=torch.long, device=device)
+        self.decode_slots = self.decode_mask = None
+        if decodes:
+            longest = max(self.rows[i].end for i in decodes)
+            slots = torch.zeros((len(decodes), longest), dtype=torch.long, device=device)
+            mask = torch.zeros((len(decodes), 1, 1, longest), dtype=torch.bool, device=device)
+            for j, i in enumerate(decodes):
+                slots[j, :self.rows[i].end] = self.context_slots[i]
+                mask[j, ..., :self.rows[i].end] = True
+            self.decode_slots, self.decode_mask = slots, mask
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store the step's new ``key``/``value`` (``[1, kv_heads, T, dim]``) in their slots."""
@@ -108,14 +127,22 @@ class PagedBatch:
         keys = self.pool[layer, 0].view(-1, heads, dim)
         values = self.pool[layer, 1].view(-1, heads, dim)
         out = query.new_empty((1, self.total, query.shape[1], query.shape[3]))
-        for row, first, slots in zip(self.rows, self.q_starts, self.context_slots, strict=True):
+        if self.decode_slots is not None:
+            q = query[0].index_select(1, self.decode_queries).transpose(0, 1).unsqueeze(2)
+            k = keys[self.decode_slots].transpose(1, 2).to(q.dtype)
+            v = values[self.decode_slots].transpose(1, 2).to(q.dtype)
+            attended = F.scaled_dot_product_attention(q, k, v, attn_mask=self.decode_mask,
+                                                      scale=scaling, enable_gqa=True)
+            out[0, self.decode_queries] = attended[:, :, 0]
+        for i in self.singles:
+            row, first, slots = self.rows[i], self.q_starts[i], self.context_slots[i]
             count = len(row.tokens)
             q = query[:, :, first:first + count]
             k = keys.index_select(0, slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
             v = values.index_select(0, slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
-            mask = None if count == 1 else causal_mask(count, row.end, q.device)
-            attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling,
-                                                      enable_gqa=True)
+            attended = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=causal_mask(count, row.end, q.device), scale=scaling,
+                enable_gqa=True)
             out[0, first:first + count] = attended[0].transpose(0, 1)
         return out
 
