@@ -37,6 +37,9 @@ from kvtier.machine import machine_info
 ROOT = Path(__file__).resolve().parent.parent
 TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
 BATCH_GOAL = 3.0
+#: torch threads per server (``--threads``): on a machine shared with other jobs, one thread per
+#: server avoids OpenMP spinning against them (a 16-row step ran 25x slower with 2 threads there).
+THREADS = ["1"]
 
 
 def _free_port() -> int:
@@ -51,7 +54,7 @@ def server(extra: list[str], log: Path) -> Iterator[str]:
     port = _free_port()
     cmd = [sys.executable, "-m", "kvtier", "serve", "--port", str(port), "--device", "cpu",
            "--host.pool_bytes", "64MiB", "--host.pinned_budget_bytes", "256MiB", *extra]
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": THREADS[0]}
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -105,8 +108,10 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
     parser.add_argument("--logs", type=Path, default=Path("/tmp"))
+    parser.add_argument("--threads", default="1", help="OMP_NUM_THREADS of each server.")
     args = parser.parse_args()
-    result: dict[str, object] = {"machine": machine_info()}
+    THREADS[0] = args.threads
+    result: dict[str, object] = {"machine": machine_info(), "server_threads": args.threads}
     tables = []
     with server([], args.logs / "kvtier_serve_on.log") as on, \
             server(["--no-cache"], args.logs / "kvtier_serve_off.log") as off:
