@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from kvtier.engine.prefix import STORE_TIERS, PrefixCache, _attribute
+from kvtier.engine.prefix import PrefixCache, _attribute
 from kvtier.engine.request import PrefillReport
 from kvtier.errors import PoolExhausted
 
@@ -129,18 +129,26 @@ class CachedPages(PlainPages):
         held = span[1]
         if held >= prompt_tokens:   # the last position must run: it writes a private page
             held = prompt_tokens - 1
-            self._copy_on_write(pages, held // self.page_size)
+            if not self._copy_on_write(pages, held // self.page_size):
+                held -= held % self.page_size   # no page to copy into: recompute that page
         _account(report, loaded.hit, head, held - head)
         return held
 
-    def _copy_on_write(self, pages: SeqPages, index: int) -> None:
-        fresh = self.tiered.allocate(1)[0]
+    def _copy_on_write(self, pages: SeqPages, index: int) -> bool:
+        """Put a private copy of page ``index`` last in the table (pages past it dropped);
+        False, with the table cut before ``index``, when the pool has no page for it."""
+        try:
+            fresh = self.tiered.allocate(1)[0]
+        except PoolExhausted:
+            pages.table = pages.table[:index]
+            return False
         if pages.ticket is not None:
             pages.ticket.stream_wait()
         kv = self.kv
         kv[:, :, fresh].copy_(kv[:, :, pages.table[index]])
         pages.table = pages.table[:index] + [fresh]
         pages.owned.add(fresh)
+        return True
 
     def grow(self, pages: SeqPages, tokens: int) -> None:
         missing = -(-tokens // self.page_size) - len(pages.table)
@@ -202,5 +210,3 @@ def _account(report: PrefillReport, hit: Any, head: int, reused: int) -> None:
     report.recomputed_hit_tokens = min(head, hit.tokens)
     report.cached_by_tier = _attribute(hit.tokens_by_tier, head, reused)
 
-
-__all__ = ["STORE_TIERS", "CachedPages", "PlainPages", "PoolExhausted", "SeqPages"]
