@@ -85,3 +85,29 @@ def test_the_triton_kernel_matches_the_torch_path(page):
         want = torch_batch.attend(layer, query, 0.17)
         got = triton_batch.attend(layer, query, 0.17)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_whole_forward_with_the_triton_kernel_gives_the_torch_paths_logits():
+    lm, page = tiny_lm(), 8
+    rows = [paged.BatchRow([3, 1, 6], 0, _prompt(19, 5)), paged.BatchRow([0, 4], 0, _prompt(9, 6))]
+    logits = {}
+    for backend in ("torch", "triton"):
+        pool = _pool(lm, 8, page)
+        first = paged.forward_batch(lm, rows, pool, backend)
+        decode = [paged.BatchRow(r.pages, r.end, [11]) for r in rows]
+        logits[backend] = torch.cat([first, paged.forward_batch(lm, decode, pool, backend)])
+    torch.testing.assert_close(logits["triton"], logits["torch"], rtol=0, atol=1e-4)
+
+
+def test_decodes_of_different_lengths_never_read_other_pages():
+    """Unused slots hold NaN here: padding a short row up to the longest must not read them."""
+    lm, page = tiny_lm(), 8
+    pool = _pool(lm, 12, page)
+    prompts = {9: _prompt(3, 7), 2: _prompt(21, 8)}
+    for pid, prompt in prompts.items():
+        paged.forward_batch(lm, [paged.BatchRow([pid, pid + 1, pid + 5][:-(-21 // page)], 0,
+                                                prompt)], pool)
+    rows = [paged.BatchRow([9], 3, [4]), paged.BatchRow([2, 3, 7], 21, [4])]
+    got = paged.forward_batch(lm, rows, pool)
+    assert bool(torch.isfinite(got).all())
+    torch.testing.assert_close(got[0], _reference(lm, prompts[9] + [4])[-1], rtol=0, atol=1e-5)

@@ -69,7 +69,8 @@ class PagedBatch:
                                  f"{row.end} tokens")
             table = torch.as_tensor(list(row.pages), dtype=torch.long)
             every = (table[:, None] * page_size + torch.arange(page_size)).reshape(-1)
-            context.append(every[:row.end].to(device))
+            if backend == "torch":   # the Triton kernel reads the page tables instead
+                context.append(every[:row.end].to(device))
             slots.append(every[row.start:row.end])
             self.q_starts.append(first)
             first += len(row.tokens)
@@ -96,10 +97,12 @@ class PagedBatch:
         self.decode_slots = self.decode_mask = None
         if decodes:
             longest = max(self.rows[i].end for i in decodes)
-            slots = torch.zeros((len(decodes), longest), dtype=torch.long, device=device)
+            slots = torch.empty((len(decodes), longest), dtype=torch.long, device=device)
             mask = torch.zeros((len(decodes), 1, 1, longest), dtype=torch.bool, device=device)
             for j, i in enumerate(decodes):
-                slots[j, :self.rows[i].end] = self.context_slots[i]
+                own = self.context_slots[i]
+                slots[j] = own[0]   # padding reads the row's own first slot (finite), masked
+                slots[j, :self.rows[i].end] = own
                 mask[j, ..., :self.rows[i].end] = True
             self.decode_slots, self.decode_mask = slots, mask
 
