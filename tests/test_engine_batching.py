@@ -139,11 +139,11 @@ def test_hits_from_every_tier_and_every_split_give_the_cold_tokens(tmp_path):
         cases = [("device", (), "plan"), ("host", ("device",), "plan"),
                  ("disk", ("device", "host"), "load"), ("disk", ("device", "host"), "recompute"),
                  ("disk", ("device", "host"), "plan"), ("disk", ("device", "host"), "half")]
-        plan_head = cache._head_tokens
+        plan_head = cache.head_tokens
         for tier, dropped, split in cases:
             def prepare(dropped=dropped, split=split):
                 # "half": the head's two pages recomputed while the tail's two load
-                cache._head_tokens = (lambda hit: 32) if split == "half" else plan_head
+                cache.head_tokens = (lambda hit: 32) if split == "half" else plan_head
                 cache.split = "plan" if split == "half" else split
                 if dropped:
                     cache.drop_tiers(dropped)

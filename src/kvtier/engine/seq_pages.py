@@ -95,7 +95,7 @@ class CachedPages(PlainPages):
         """A page table starting with the prompt's hit; returns it and the tokens it holds."""
         hit = self.tiered.match(tokens, salt)
         report.matched_tokens = hit.tokens
-        head = self.prefix._head_tokens(hit)
+        head = self.prefix.head_tokens(hit)
         pages = SeqPages(salt=salt)
         if head >= hit.tokens:   # nothing to load: the hit is recomputed with the prompt
             _account(report, hit, hit.tokens if hit.tokens else 0, 0)
@@ -108,18 +108,18 @@ class CachedPages(PlainPages):
             pages.tail = (hit, head)
             _account(report, hit, head, 0)
             return pages, 0
-        return pages, self._adopt(pages, self.prefix._load(hit, 0), 0, len(tokens), report)
+        return pages, self._adopt(pages, self.prefix.load_hit(hit, 0), 0, len(tokens), report)
 
     def load_tail(self, pages: SeqPages, tokens: int, report: PrefillReport) -> int:
         """The head of a split is computed: load its tail (waits for the store reads), append
         its pages; returns the tokens the table now holds."""
         hit, head = pages.tail
         pages.tail = None
-        return self._adopt(pages, self.prefix._load(hit, head), head, tokens, report)
+        return self._adopt(pages, self.prefix.load_hit(hit, head), head, tokens, report)
 
     def _adopt(self, pages: SeqPages, loaded: Any, head: int, prompt_tokens: int,
                report: PrefillReport) -> int:
-        span = self.prefix._usable_span(loaded, head)
+        span = self.prefix.usable_span(loaded, head)
         if span is None:
             self.tiered.release(loaded)
             _account(report, loaded.hit, head, 0)
