@@ -111,3 +111,35 @@ def test_decodes_of_different_lengths_never_read_other_pages():
     got = paged.forward_batch(lm, rows, pool)
     assert bool(torch.isfinite(got).all())
     torch.testing.assert_close(got[0], _reference(lm, prompts[9] + [4])[-1], rtol=0, atol=1e-5)
+
+
+class RecordingTicket:
+    """Stands in for a per-layer host -> device copy: records which layer was waited for."""
+
+    def __init__(self, pool: torch.Tensor, layers_landed: list[int]) -> None:
+        self.pool, self.waits, self.landed = pool, [], layers_landed
+
+    def stream_wait(self, stream=None, layer=None) -> None:
+        self.waits.append(layer)
+        self.landed.append(layer)
+
+
+def test_a_row_still_loading_waits_for_each_layer_before_reading_it(monkeypatch):
+    lm, page = tiny_lm(), 8
+    pool = _pool(lm, 6, page)
+    prompt = _prompt(16, 9)
+    paged.forward_batch(lm, [paged.BatchRow([4, 1], 0, prompt)], pool)
+    landed: list[int] = []
+    ticket = RecordingTicket(pool, landed)
+    reads: list[tuple[int, list[int]]] = []
+    attend = paged.PagedBatch.attend
+
+    def spy(self, layer, query, scaling):
+        reads.append((layer, list(landed)))
+        return attend(self, layer, query, scaling)
+    monkeypatch.setattr(paged.PagedBatch, "attend", spy)
+    got = paged.forward_batch(lm, [paged.BatchRow([4, 1, 0], 16, [5], ticket),
+                                   paged.BatchRow([2], 0, [7, 8])], pool)
+    assert ticket.waits == list(range(lm.config.num_hidden_layers))
+    assert all(layer in seen and layer + 1 not in seen for layer, seen in reads)
+    torch.testing.assert_close(got[0], _reference(lm, prompt + [5])[-1], rtol=0, atol=1e-5)
