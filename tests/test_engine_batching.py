@@ -186,3 +186,23 @@ def test_a_lone_fresh_hit_runs_its_suffix_through_the_static_forward():
     assert served == 2
     assert host[0] == _greedy(lm, shared + [3] * 9, 6)
     assert host[1].prefill.cached_by_tier["host"] == 48 and served_host == 3
+
+
+def test_a_seeded_sampled_request_draws_the_same_tokens_alone_or_in_a_batch():
+    from kvtier.engine.sampling import SamplingParams
+
+    sampled = GenerationRequest(tuple(PROMPTS[0]), 10,
+                                SamplingParams(temperature=0.9, top_p=0.95, seed=7))
+    outputs = []
+    for max_running, others in ((1, []), (4, PROMPTS[1:4])):
+        service = _service(max_running, **{"cache.enabled": "false"})
+        try:
+            handles = [service.submit(sampled)]
+            handles += [service.submit(GenerationRequest(tuple(p), 10)) for p in others]
+            outputs.append(handles[0].result(timeout=120)[0])
+            for handle in handles[1:]:
+                handle.result(timeout=120)
+        finally:
+            service.close()
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 10
+    assert outputs[0] != _greedy(tiny_lm(), PROMPTS[0], 10)   # it did sample
