@@ -11,31 +11,31 @@ import time
 import pytest
 
 from kvtier.engine.request import FinishEvent, GenerationRequest, PrefillReport, RequestHandle, TokenEvent
-from kvtier.engine.runner import Sequence
+from kvtier.engine.runner import Sequence, StepResult
 from kvtier.engine.sampling import Sampler, SamplingParams
 from kvtier.engine.scheduler import QueueFull, Scheduler
 
 
 class ScriptedEngine:
-    """Emits token ``i`` at step ``i``; a prompt of [999] fails its prefill."""
+    """Emits token ``i`` at step ``i``; a prompt of [999] fails its admission."""
 
     def __init__(self, gate: threading.Event | None = None) -> None:
         self.prefills: list[str] = []
         self.gate = gate
 
-    def prefill(self, handle: RequestHandle) -> Sequence:
+    def admit(self, handle: RequestHandle) -> Sequence:
         if self.gate is not None:
             self.gate.wait(10)
         if handle.request.prompt_ids == (999,):
             raise RuntimeError("bad prompt")
         self.prefills.append(handle.request.tenant)
-        seq = Sequence(handle, None, Sampler(SamplingParams()), list(handle.request.prompt_ids),
-                       PrefillReport(len(handle.request.prompt_ids)))
-        self._emit(seq)
-        return seq
+        return Sequence(handle, None, Sampler(SamplingParams()), list(handle.request.prompt_ids),
+                        PrefillReport(len(handle.request.prompt_ids)))
 
-    def decode(self, seq: Sequence) -> None:
-        self._emit(seq)
+    def step(self, running: list[Sequence]) -> StepResult:
+        for seq in running:
+            self._emit(seq)
+        return StepResult()
 
     def _emit(self, seq: Sequence) -> None:
         seq.tokens.append(seq.generated)
@@ -156,3 +156,42 @@ def test_shutdown_finishes_queued_and_running_requests(gate):
         assert handle.done.is_set()
     with pytest.raises(QueueFull):
         sched.submit(_request())
+
+
+class PreemptingEngine(ScriptedEngine):
+    """Preempts the newest running sequence at step 2 (once); it must come back first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps = 0
+        self.admitted: list[str] = []
+
+    def admit(self, item):
+        if isinstance(item, Sequence):
+            self.admitted.append(f"resumed {item.request.request_id}")
+            return item
+        seq = super().admit(item)
+        self.admitted.append(item.request.request_id)
+        return seq
+
+    def step(self, running: list[Sequence]) -> StepResult:
+        self.steps += 1
+        if self.steps == 2:
+            return StepResult(preempted=[running[-1]])
+        return super().step(running)
+
+
+def test_a_preempted_sequence_is_admitted_again_before_new_requests():
+    engine = PreemptingEngine()
+    sched = Scheduler(engine, max_running=2, max_pending=8)
+    handles = [RequestHandle(GenerationRequest((1,), 4, request_id=f"r{i}")) for i in range(3)]
+    for handle in handles:
+        sched.submit(handle)
+    sched.start()
+    try:
+        results = [h.result(timeout=10) for h in handles]
+    finally:
+        sched.stop()
+    assert engine.admitted[:4] == ["r0", "r1", "resumed r1", "r2"]
+    assert [tokens for tokens, _ in results] == [[0, 1, 2, 3]] * 3
+    assert sched.stats()["finished"] == 3

@@ -54,7 +54,8 @@ def cache_snapshot() -> dict:
         serve(cache, prompt(6, seed=1))
         assert cache.drain()
         return {"info": {"version": "t", "model": "m"}, "requests": stats.snapshot(),
-                "scheduler": {"queued": 1, "running": 2, "rejected": 3},
+                "scheduler": {"queued": 1, "running": 2, "rejected": 3, "steps": 7,
+                              "batched_tokens": 90, "preempted": 1},
                 "http": {"in_flight": 2, "rejected_total": {"body_too_large": 4}},
                 "cache": cache.stats(),
                 "bindings": {"slots": {"store.disk": {"generation": 2, "swaps": 1}}}}
@@ -85,6 +86,9 @@ def test_series_carry_the_numbers_of_the_snapshot() -> None:
                                                       (("outcome", "stop"),): 1.0}
     rejected = samples(text, "kvtier_requests_rejected_total")
     assert rejected == {(("reason", "body_too_large"),): 4.0, (("reason", "queue_full"),): 3.0}
+    assert samples(text, "kvtier_engine_steps_total") == {(): 7.0}
+    assert samples(text, "kvtier_engine_batched_tokens_total") == {(): 90.0}
+    assert samples(text, "kvtier_engine_preempted_total") == {(): 1.0}
 
 
 def test_kv_event_counters_appear_only_when_events_are_on() -> None:

@@ -25,7 +25,6 @@ Engine thread only (one thread calls every method); IO runs on worker threads in
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -47,9 +46,6 @@ if TYPE_CHECKING:
     from kvtier.memory.pinned import PinnedBudget
 
 __all__ = ["Hit", "Loaded", "TieredCache"]
-
-CPU_DEVICE_POOL_CAP_BYTES = 1 << 30
-
 
 class TieredCache:
     """See the module docstring. Build with ``TieredCache.build``."""
@@ -89,7 +85,7 @@ class TieredCache:
         if heads is not None:
             layout = model_layout.for_heads(heads)
         _check_host_tier(config, layout, stores)
-        device_pool = _device_pool(DevicePool, config, layout, device)
+        device_pool = DevicePool.from_config(config.cache, layout, device)
         budget = PinnedBudget(config.host.pinned_budget_bytes)
         host_pool = None
         if config.host.pool_bytes:
@@ -229,18 +225,6 @@ def _check_host_tier(config: KvtierConfig, layout: KVLayout,
         raise ConfigError(setting_name("host.pool_bytes"), 0,
                           f"a host pool while {tiers} is set: stores exchange pages with the "
                           "host tier only (give the host pool bytes, or drop the store tier)")
-
-
-def _device_pool(pool_cls: type[DevicePool], config: KvtierConfig, layout: KVLayout,
-                 device: str) -> DevicePool:
-    pages = config.cache.device_pages
-    if pages:
-        return pool_cls(layout, pages, device)
-    if str(device).startswith("cuda"):
-        return pool_cls.from_free_memory(layout, config.cache.device_memory_fraction, device)
-    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    budget = min(int(available * config.cache.device_memory_fraction), CPU_DEVICE_POOL_CAP_BYTES)
-    return pool_cls(layout, max(1, budget // layout.page_bytes), device)
 
 
 def _head_group_stores(config: KvtierConfig, layout: KVLayout, heads: tuple[int, int],

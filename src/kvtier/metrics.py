@@ -169,6 +169,12 @@ def _scheduler(sched: Mapping[str, Any], http: Mapping[str, Any]) -> Iterator[Me
     yield _counter("kvtier_http_errors_total", "4xx answers by status and reason (the error "
                    "code: invalid_json, unknown_parameter, model_not_found, body_too_large, "
                    "...).", errors, ("status", "reason"))
+    for key, name, doc in (("steps", "kvtier_engine_steps_total", "Batched forwards run."),
+                           ("batched_tokens", "kvtier_engine_batched_tokens_total",
+                            "Tokens run by batched forwards (decodes and prefill chunks)."),
+                           ("preempted", "kvtier_engine_preempted_total",
+                            "Sequences preempted because the device pool ran out.")):
+        yield _counter(name, doc, [((), sched.get(key, 0))])
 
 
 def _cache(cache: Mapping[str, Any]) -> Iterator[Metric]:

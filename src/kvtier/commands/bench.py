@@ -13,6 +13,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "kvtier.commands.bench_ttft",
     "kvtier.commands.bench_store",
     "kvtier.commands.bench_replay",
+    "kvtier.commands.bench_serve",
 )
 
 

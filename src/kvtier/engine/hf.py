@@ -123,6 +123,9 @@ def load_model(model: str, *, device: str = "auto", dtype: str = "auto", seed: i
         from kvtier.engine import attention as split_kv
 
         split_kv.install(hf_model)
+    from kvtier.engine import paged
+
+    paged.install(hf_model)  # many sequences in one forward over the device pool's pages
     tokenizer = load_tokenizer(source)
     fingerprint = model_fingerprint(hf_model, seed if source.is_preset else None)
     return CausalLM(source.name, hf_model, tokenizer, torch.device(device), dtype, fingerprint,

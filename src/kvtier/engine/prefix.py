@@ -111,7 +111,7 @@ class PrefixCache:
         started = time.perf_counter()
         hit = self.tiered.match(prompt, salt)
         report.matched_tokens = hit.tokens
-        head = self._head_tokens(hit)
+        head = self.head_tokens(hit)
         whole = head >= hit.tokens  # nothing to load: the hit runs in the prompt's one forward
         rates = getattr(self.tiered.controller, "rates", None)
         pending = getattr(rates, "pending_split", None) if 0 < head < hit.tokens else None
@@ -120,14 +120,14 @@ class PrefixCache:
             self.tiered.prefetch(hit, recompute_tokens=head)
         joined = self._start_recompute(prompt[:0 if whole else head], kv)
         try:
-            loaded = None if whole else self._load(hit, head)
+            loaded = None if whole else self.load_hit(hit, head)
         finally:
             joined()
         state = PrefixState(salt, loaded)
         if pending is not None:
             state.split = (pending[0], pending[1], started)
         try:
-            state.span = span = self._usable_span(loaded, head)
+            state.span = span = self.usable_span(loaded, head)
             room = len(prompt) - span[1] + DECODE_ROOM_TOKENS if span else 0
             ticket = getattr(loaded, "ticket", None)
             past = head + kv_pages.append_pages(kv, self.pool, span[2], room,
@@ -175,7 +175,7 @@ class PrefixCache:
         if loaded is not None:
             self.tiered.release(loaded)
 
-    def _head_tokens(self, hit: Any) -> int:
+    def head_tokens(self, hit: Any) -> int:
         """Tokens at the head of the hit to recompute instead of loading (a page multiple)."""
         if hit.tokens == 0 or self._split == "load":
             return 0
@@ -186,7 +186,7 @@ class PrefixCache:
         planned = int(self.tiered.plan_split(hit))
         return max(0, min(planned - planned % self.page_size, hit.tokens))
 
-    def _load(self, hit: Any, head: int) -> Any:
+    def load_hit(self, hit: Any, head: int) -> Any:
         """``tiered.load`` past ``head``; a whole load with a store part is timed and reported
         (``observe_load``: it teaches the split each tier's fixed cost per load). A split load
         is not: on CUDA its copy waits for the head's forward."""
@@ -219,7 +219,7 @@ class PrefixCache:
             future.result()
         return wait
 
-    def _usable_span(self, loaded: Any, head: int) -> tuple[int, int, list[int]] | None:
+    def usable_span(self, loaded: Any, head: int) -> tuple[int, int, list[int]] | None:
         """(first token, end token, device pages) of the loaded KV that continues the head."""
         if loaded is None or loaded.tokens <= head or loaded.start_tokens > head:
             return None

@@ -1,11 +1,16 @@
-"""The generation loop for one request at a time: prefill (through the tiered cache), decode, finish.
+"""Continuous batching: every running sequence advances in one forward per step.
 
-Owns ``Engine`` and ``Sequence``. ``Engine.prefill`` turns a request into a running sequence
-whose first token is already chosen and sent (``PrefixCache`` in ``kvtier.engine.prefix``
-decides what comes from the cache and what is recomputed, and commits the prompt's pages once
-the first token is out); ``Engine.decode`` adds one token;
-``Engine.finish`` commits the sequence's KV pages to the cache and releases what it pinned.
-The scheduler interleaves many sequences over these three calls. Engine thread only.
+Owns ``Engine`` and ``Sequence``. ``admit`` gives a request (or a preempted sequence coming
+back) its page table: the prompt's cache hit, in place in the device pool (``seq_pages``).
+``step`` then plans one forward over every running sequence: a decode is one token (the last
+one chosen), a prefill a chunk of its prompt, the chunks of all prefills sharing
+``chunk_tokens`` per step (oldest first), so a long prompt does not stall the decodes around
+it; each sequence's pages grow to hold its new tokens, and when the device pool runs out the
+newest sequence is preempted (its computed full pages committed to the cache, everything
+released: it comes back as a prefix hit, or a plain recompute without the cache). One
+``paged.forward_batch`` runs the step; rows that reached their last token get their next token
+chosen and sent, and a prompt's pages are committed once its first token is out. ``finish``
+commits the sequence's KV pages and releases what it pinned. Engine thread only.
 """
 
 from __future__ import annotations
@@ -16,22 +21,32 @@ from typing import Any
 
 import torch
 
+from kvtier.engine import paged
 from kvtier.engine.hf import CausalLM
+from kvtier.engine.prefix import MIN_OBSERVED_PREFILL_TOKENS
 from kvtier.engine.request import FinishEvent, PrefillReport, RequestHandle, TokenEvent
 from kvtier.engine.sampling import Sampler
+from kvtier.engine.seq_pages import SeqPages
+from kvtier.engine.suffix_step import SuffixStep
+from kvtier.errors import PoolExhausted
+
+#: Prompt tokens all prefills of one step run at most by default (``engine.prefill_chunk_tokens``).
+DEFAULT_CHUNK_TOKENS = 512
 
 
 @dataclass
 class Sequence:
-    """A request being generated: its tokens, its model cache and what it pinned."""
+    """A request being generated: its tokens, its pages and how far its KV is computed."""
 
     handle: RequestHandle
-    kv: Any                        # the model's DynamicCache (past of every fed token)
+    kv: Any                        # SeqPages while admitted, None while queued or done
     sampler: Sampler
     tokens: list[int]              # prompt, then generated tokens
     report: PrefillReport
-    prefix_state: Any = None       # what PrefixCache keeps between prefill and finish
     generated: int = 0
+    computed: int = 0              # tokens whose KV the pages hold
+    admitted_at: float = 0.0
+    committed: bool = False        # the prompt's pages went to the cache (first token out)
     started_at: float = field(default_factory=time.perf_counter)
 
     @property
@@ -39,40 +54,166 @@ class Sequence:
         return self.handle.request
 
 
+@dataclass
+class StepResult:
+    preempted: list[Sequence] = field(default_factory=list)
+    failed: list[tuple[Sequence, Exception]] = field(default_factory=list)
+
+
 class Engine:
-    """Runs prefill and decode steps on one ``CausalLM`` with an optional ``PrefixCache``."""
+    """Runs batched steps of one ``CausalLM`` over pages from ``pages`` (``seq_pages``)."""
 
-    def __init__(self, lm: CausalLM, prefix_cache: Any = None) -> None:
-        self.lm = lm
-        self.prefix_cache = prefix_cache
+    def __init__(self, lm: CausalLM, pages: Any, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                 prefix_cache: Any = None) -> None:
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        self.lm, self.pages, self.chunk_tokens = lm, pages, chunk_tokens
+        self.prefix_cache = prefix_cache   # observes cold prefill rates for the split
+        graphs = getattr(prefix_cache, "graphs", None)
+        self.suffix = SuffixStep(lm, graphs) if graphs is not None else None
+        self.counters = {"steps": 0, "batched_tokens": 0, "preempted": 0}
 
-    def prefill(self, handle: RequestHandle) -> Sequence:
-        """Serve the prompt and emit its first token; the caller owns the returned sequence."""
-        request = handle.request
-        started = time.perf_counter()
+    # ---- admission -------------------------------------------------------------------------
+    def admit(self, item: RequestHandle | Sequence) -> Sequence:
+        """A new request's sequence (its KV's cached part in place), or a preempted one back."""
+        if isinstance(item, Sequence):
+            item.kv, item.computed = self.pages.open(item.tokens, item.request.salt,
+                                                     PrefillReport(len(item.tokens)))
+            return item
+        request = item.request
         prompt = list(request.prompt_ids)
-        report = PrefillReport(prompt_tokens=len(prompt), queue_s=started - handle.submitted_at)
-        if self.prefix_cache is None:
-            kv = self.lm.new_cache()
-            logits = self.lm.forward(self._tensor(prompt), kv)
-            report.computed_tokens = len(prompt)
-            seq = Sequence(handle, kv, Sampler(request.sampling), list(prompt), report)
-            self._accept(seq, seq.sampler(logits))
-            report.prefill_s = time.perf_counter() - started
-            return seq
-        kv, logits, state = self.prefix_cache.prefill(prompt, request.salt, report)
-        try:
-            seq = Sequence(handle, kv, Sampler(request.sampling), list(prompt), report, state)
-            self._accept(seq, seq.sampler(logits))  # the first token goes out before the commit
-            report.prefill_s = time.perf_counter() - started
-        finally:
-            self.prefix_cache.commit_prompt(state, prompt, kv)
+        if len(prompt) >= self.lm.max_positions:
+            raise ValueError(f"{len(prompt)} prompt tokens leave no room in the model's "
+                             f"{self.lm.max_positions} positions")
+        now = time.perf_counter()
+        report = PrefillReport(prompt_tokens=len(prompt), queue_s=now - item.submitted_at)
+        seq = Sequence(item, None, Sampler(request.sampling), prompt, report, admitted_at=now)
+        seq.kv, seq.computed = self.pages.open(prompt, request.salt, report)
         return seq
 
-    def decode(self, seq: Sequence) -> None:
-        """Feed the last chosen token and choose the next one."""
-        logits = self.lm.forward(self._tensor(seq.tokens[-1:]), seq.kv)
-        self._accept(seq, seq.sampler(logits))
+    # ---- one step --------------------------------------------------------------------------
+    def step(self, running: list[Sequence]) -> StepResult:
+        """One forward for every sequence in ``running`` (oldest first) that can advance."""
+        result = StepResult()
+        planned: list[tuple[Sequence, paged.BatchRow]] = []
+        budget = self.chunk_tokens
+        for seq in running:
+            if seq in result.preempted:
+                continue
+            count = self._tokens_this_step(seq, budget)
+            if count == 0:
+                continue
+            if not self._make_room(seq, count, running, planned, result):
+                continue
+            budget -= count if count > 1 or len(seq.tokens) - seq.computed > 1 else 0
+            start = seq.computed
+            planned.append((seq, paged.BatchRow(seq.kv.table, start,
+                                                seq.tokens[start:start + count], seq.kv.ticket)))
+        if planned:
+            self._run(planned, result)
+        return result
+
+    def _tokens_this_step(self, seq: Sequence, budget: int) -> int:
+        pages: SeqPages = seq.kv
+        if pages.tail is not None and seq.computed >= pages.tail[1]:
+            seq.computed = self.pages.load_tail(pages, len(seq.tokens), seq.report)
+        remaining = len(seq.tokens) - seq.computed
+        if remaining <= 1:
+            return remaining
+        count = min(remaining, budget)
+        if pages.tail is not None:
+            count = min(count, pages.tail[1] - seq.computed)
+        return max(count, 0)
+
+    def _make_room(self, seq: Sequence, count: int, running: list[Sequence],
+                   planned: list[tuple[Sequence, paged.BatchRow]], result: StepResult) -> bool:
+        """Grow ``seq``'s pages for ``count`` more tokens, preempting the newest sequences
+        while the pool is short; False if ``seq`` itself had to go."""
+        while True:
+            try:
+                self.pages.grow(seq.kv, seq.computed + count)
+                return True
+            except PoolExhausted as exc:
+                victims = [s for s in running if s not in result.preempted and s.kv is not None]
+                victim = victims[-1]
+                if victim is seq and len(victims) == 1:
+                    result.failed.append((seq, exc))
+                    return False
+                self.preempt(victim)
+                result.preempted.append(victim)
+                planned[:] = [(s, row) for s, row in planned if s is not victim]
+                if victim is seq:
+                    return False
+
+    def _run(self, planned: list[tuple[Sequence, paged.BatchRow]], result: StepResult) -> None:
+        rows = [row for _, row in planned]
+        started = time.perf_counter()
+        try:
+            logits = self._suffix(planned)
+            if logits is None:
+                logits = paged.forward_batch(self.lm, rows, self.pages.kv)
+        except Exception as exc:  # the step's sequences fail; the engine keeps serving
+            result.failed += [(seq, exc) for seq, _ in planned]
+            return
+        self.counters["steps"] += 1
+        self.counters["batched_tokens"] += sum(len(row.tokens) for row in rows)
+        done = [i for i, (seq, row) in enumerate(planned) if row.end == len(seq.tokens)]
+        chosen = self._choose(planned, logits, done)
+        for (seq, row) in planned:
+            seq.computed = row.end
+            seq.kv.ticket = None  # the step's stream has waited for every layer's copy
+        for i, token in zip(done, chosen, strict=True):
+            seq = planned[i][0]
+            try:
+                self._accept(seq, token)
+            except Exception as exc:
+                result.failed.append((seq, exc))
+        if len(planned) == 1 and done:
+            self._observe(planned[0][0], time.perf_counter() - started)
+
+    def _suffix(self, planned: list[tuple[Sequence, paged.BatchRow]]) -> torch.Tensor | None:
+        """A lone fresh hit's suffix through the captured graphs (``suffix_step``), or None."""
+        if self.suffix is None or len(planned) != 1:
+            return None
+        seq, row = planned[0]
+        if not self.suffix.eligible(row, len(seq.tokens), not seq.committed, self.pages.page_size):
+            return None
+        return self.suffix.run(row, self.pages.kv)
+
+    def _choose(self, planned: list[tuple[Sequence, Any]], logits: torch.Tensor,
+                done: list[int]) -> list[int]:
+        """Next tokens of the rows that reached their end: one argmax for the greedy ones."""
+        greedy = [i for i in done if planned[i][0].sampler.params.greedy]
+        best = dict(zip(greedy, torch.argmax(logits[greedy], -1).tolist(), strict=True)) \
+            if greedy else {}
+        return [best[i] if i in best else planned[i][0].sampler(logits[i]) for i in done]
+
+    def _accept(self, seq: Sequence, token: int) -> None:
+        seq.tokens.append(token)
+        seq.generated += 1
+        seq.handle._emit(TokenEvent(token))
+        if not seq.committed:   # the first token is out: the prompt's pages go to the cache
+            seq.committed = True
+            seq.report.prefill_s = time.perf_counter() - seq.admitted_at
+            seq.report.computed_tokens = seq.report.prompt_tokens - seq.report.cached_tokens
+            self.pages.commit_prompt(seq.kv, seq.tokens[:seq.computed])
+
+    def _observe(self, seq: Sequence, seconds: float) -> None:
+        """A cold prompt run whole and alone teaches the split the prefill rate."""
+        report = seq.report
+        if (self.prefix_cache is not None and seq.generated == 1 and report.matched_tokens == 0
+                and report.prompt_tokens >= MIN_OBSERVED_PREFILL_TOKENS
+                and report.prompt_tokens <= self.chunk_tokens):
+            self.prefix_cache.tiered.observe_prefill(report.prompt_tokens, seconds)
+
+    # ---- leaving ---------------------------------------------------------------------------
+    def preempt(self, seq: Sequence) -> None:
+        """Give back every page of ``seq`` (its computed full pages committed first); it keeps
+        its tokens and comes back through ``admit``."""
+        pages, seq.kv = seq.kv, None
+        self.pages.close(pages, seq.tokens[:seq.computed], commit=True)
+        seq.computed = 0
+        self.counters["preempted"] += 1
 
     def finished_reason(self, seq: Sequence) -> str | None:
         """'stop' after an EOS token, 'length' at the token cap, 'cancelled', else None."""
@@ -89,19 +230,14 @@ class Engine:
     def finish(self, seq: Sequence, reason: str, error: Exception | None = None) -> None:
         """Commit the KV this sequence computed, release its pins, tell the submitter."""
         try:
-            if self.prefix_cache is not None and seq.prefix_state is not None:
-                self.prefix_cache.finish(seq.prefix_state, seq.tokens[:-1], seq.kv,
-                                         commit=error is None)
+            if seq.kv is not None:
+                self.pages.close(seq.kv, seq.tokens[:seq.computed], commit=error is None)
         finally:
             seq.kv = None
             seq.handle._emit(FinishEvent(reason, seq.generated, seq.report,
                                          None if error is None else str(error),
                                          None if error is None else type(error).__name__))
 
-    def _accept(self, seq: Sequence, token: int) -> None:
-        seq.tokens.append(token)
-        seq.generated += 1
-        seq.handle._emit(TokenEvent(token))
-
-    def _tensor(self, tokens: list[int]) -> torch.Tensor:
-        return torch.tensor(tokens, dtype=torch.long, device=self.lm.device)
+    def stats(self) -> dict[str, Any]:
+        served = {"suffix_graph_steps": self.suffix.served} if self.suffix is not None else {}
+        return {**self.counters, **served}

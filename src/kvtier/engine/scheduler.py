@@ -2,8 +2,10 @@
 
 Owns ``Scheduler``: ``submit`` (any thread) queues a request per tenant, refusing past
 ``max_pending`` with ``QueueFull``; the engine thread admits queued requests round-robin across
-tenants (one tenant's burst cannot starve another's), runs up to ``max_running`` sequences at once
-and gives each a decode step in turn, so a long generation does not hold up short ones. Every
+tenants (one tenant's burst cannot starve another's) while fewer than ``max_running`` sequences
+run, and advances all running sequences in one batched step at a time (``Engine.step``:
+decodes and prefill chunks in one forward). A sequence the engine preempts (device pool full)
+waits at the front and is admitted again before any new request. Every
 submitted request ends with exactly one ``FinishEvent`` (done, cancelled, failed or shut down):
 none is lost. The cache's ``poll`` runs on this thread between steps, and so do functions other
 threads hand over with ``call_soon`` (admin changes, stats snapshots). ``requests`` totals what
@@ -45,7 +47,8 @@ class Scheduler:
         self._lock = threading.Condition()
         self._queues: OrderedDict[str, deque[RequestHandle]] = OrderedDict()
         self._pending = 0          # queued + running
-        self._running: list[Sequence] = []
+        self._running: list[Sequence] = []     # admission order: the newest is preempted first
+        self._resume: deque[Sequence] = deque()  # preempted, admitted again before new requests
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.counters = {"submitted": 0, "finished": 0, "rejected": 0, "failed": 0, "cancelled": 0}
@@ -88,8 +91,13 @@ class Scheduler:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            queued = sum(len(q) for q in self._queues.values())
-            return {"queued": queued, "running": self._pending - queued, **self.counters}
+            queued = sum(len(q) for q in self._queues.values()) + len(self._resume)
+            return {"queued": queued, "running": self._pending - queued, **self.counters,
+                    **self.engine_stats()}
+
+    def engine_stats(self) -> dict[str, Any]:
+        stats = getattr(self.engine, "stats", None)
+        return stats() if stats is not None else {}
 
     # ---- engine thread -------------------------------------------------------------------------
     def _run(self) -> None:
@@ -100,24 +108,29 @@ class Scheduler:
             self._drain()
 
     def _step(self) -> bool:
-        """One round: handed-over calls, admit a request if there is room, then one decode
-        step per sequence."""
+        """One round: handed-over calls, admit queued requests while there is room (preempted
+        sequences first), then one batched step for every running sequence."""
         self.calls.run_pending()
         with self._lock:
             if self._stopping:
                 return False
-            idle = not self._running and not self._queues
+            idle = not self._running and not self._queues and not self._resume
             if idle and not self.calls.waiting():
                 self._lock.wait(IDLE_POLL_S)
-            room = len(self._running) < self.max_running
-            handle = self._next_queued() if room and not idle else None
+            admitting = []
+            while not idle and len(self._running) + len(admitting) < self.max_running:
+                item = self._resume.popleft() if self._resume else self._next_queued()
+                if item is None:
+                    break
+                admitting.append(item)
         if idle:
             self._poll_cache()
             return True
-        if handle is not None:
-            self._admit(handle)
-        for seq in list(self._running):
-            self._advance(seq)
+        for item in admitting:
+            self._admit(item)
+        self._drop_cancelled()
+        if self._running:
+            self._advance()
         self._poll_cache()
         return True
 
@@ -132,40 +145,49 @@ class Scheduler:
             return handle
         return None
 
-    def _admit(self, handle: RequestHandle) -> None:
-        if handle.cancelled:
+    def _admit(self, item: RequestHandle | Sequence) -> None:
+        handle = item.handle if isinstance(item, Sequence) else item
+        if handle.cancelled and not isinstance(item, Sequence):
             self._end(handle, FinishEvent("cancelled", 0, None))
             return
         try:
-            seq = self.engine.prefill(handle)
+            seq = self.engine.admit(item)
         except Exception as exc:  # one bad request must not stop the engine
-            log.exception("prefill failed for %s", handle.request.request_id)
-            self._end(handle, FinishEvent("error", 0, None, str(exc), type(exc).__name__))
+            log.exception("admission failed for %s", handle.request.request_id)
+            if isinstance(item, Sequence):
+                self._close(item, "error", exc, running=False)
+            else:
+                self._end(handle, FinishEvent("error", 0, None, str(exc), type(exc).__name__))
             return
         self._running.append(seq)
-        self._finish_if_done(seq)
 
-    def _advance(self, seq: Sequence) -> None:
-        if seq not in self._running:
-            return
-        if seq.handle.cancelled:
+    def _drop_cancelled(self) -> None:
+        for seq in [s for s in self._running if s.handle.cancelled]:
             self._close(seq, "cancelled")
-            return
-        try:
-            self.engine.decode(seq)
-        except Exception as exc:
-            log.exception("decode failed for %s", seq.request.request_id)
-            self._close(seq, "error", exc)
-            return
-        self._finish_if_done(seq)
+
+    def _advance(self) -> None:
+        """One batched step; preempted sequences wait at the front, failed ones end."""
+        result = self.engine.step(list(self._running))
+        for seq in result.preempted:
+            self._running.remove(seq)
+        with self._lock:
+            self._resume.extend(result.preempted)
+        for seq, exc in result.failed:
+            log.error("step failed for %s: %s", seq.request.request_id, exc)
+            if seq in self._running:
+                self._close(seq, "error", exc)
+        for seq in list(self._running):
+            self._finish_if_done(seq)
 
     def _finish_if_done(self, seq: Sequence) -> None:
         reason = self.engine.finished_reason(seq)
         if reason is not None:
             self._close(seq, reason)
 
-    def _close(self, seq: Sequence, reason: str, error: Exception | None = None) -> None:
-        self._running.remove(seq)
+    def _close(self, seq: Sequence, reason: str, error: Exception | None = None, *,
+               running: bool = True) -> None:
+        if running:
+            self._running.remove(seq)
         try:
             self.engine.finish(seq, reason, error)
         except Exception:
@@ -200,6 +222,9 @@ class Scheduler:
         self.calls.close()
         for seq in list(self._running):
             self._close(seq, "error", RuntimeError("the server is shutting down"))
+        for seq in list(self._resume):
+            self._close(seq, "error", RuntimeError("the server is shutting down"), running=False)
+        self._resume.clear()
         with self._lock:
             handles = [h for q in self._queues.values() for h in q]
             self._queues.clear()

@@ -25,11 +25,13 @@ class EngineService:
     """A running engine; ``close()`` stops the thread and the cache."""
 
     def __init__(self, config: KvtierConfig, lm: CausalLM, prefix_cache: Any = None, *,
-                 max_running: int = 4) -> None:
+                 max_running: int | None = None) -> None:
         self.config = config
         self.lm = lm
         self.prefix_cache = prefix_cache
-        self.engine = Engine(lm, prefix_cache)
+        self.engine = Engine(lm, _page_source(config, lm, prefix_cache),
+                             chunk_tokens=config.engine.prefill_chunk_tokens,
+                             prefix_cache=prefix_cache)
         try:
             self.kv_events = _kv_events(config, prefix_cache)
         except BaseException:
@@ -37,15 +39,16 @@ class EngineService:
                 prefix_cache.close()
             raise
         poll = prefix_cache.poll if prefix_cache is not None else None
-        self.scheduler = Scheduler(self.engine, max_running=max_running,
+        self.scheduler = Scheduler(self.engine, max_running=max_running or config.engine.max_running,
                                    max_pending=config.server.max_concurrent_requests, poll=poll)
         self.scheduler.start()
 
     @classmethod
-    def build(cls, config: KvtierConfig, *, max_running: int = 4, lm: CausalLM | None = None,
-              split: str = "plan") -> EngineService:
+    def build(cls, config: KvtierConfig, *, max_running: int | None = None,
+              lm: CausalLM | None = None, split: str = "plan") -> EngineService:
         """Load the model (unless given) and the cache the config asks for; ``split`` chooses
-        how a hit is served (``plan``: the planner's load/recompute split)."""
+        how a hit is served (``plan``: the planner's load/recompute split); ``max_running``
+        overrides ``engine.max_running``."""
         lm = lm or load_model(config.engine.model, device=config.engine.device,
                               dtype=config.engine.dtype, seed=config.engine.seed,
                               attention=config.engine.attention)
@@ -114,3 +117,16 @@ def _kv_events(config: KvtierConfig, prefix_cache: Any) -> Any:
     log.info("KV events on %s (topic %r, replay %s)", feed.publisher.endpoint,
              config.server.kv_events_topic, feed.publisher.replay_endpoint or "off")
     return feed
+
+
+def _page_source(config: KvtierConfig, lm: CausalLM, prefix_cache: Any) -> Any:
+    """The tiered cache's device pages, or (cache off) a device pool of the engine's own sized
+    as ``cache.device_pages`` / ``cache.device_memory_fraction`` say."""
+    from kvtier.engine.seq_pages import CachedPages, PlainPages
+
+    if prefix_cache is not None:
+        return CachedPages(prefix_cache)
+    from kvtier.memory.device_pool import DevicePool
+
+    layout = lm.kv_layout(config.cache.page_size)
+    return PlainPages(DevicePool.from_config(config.cache, layout, str(lm.device)))

@@ -12,10 +12,12 @@ and write the bytes of ids they were handed, ordered by CUDA streams and events.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 
+from kvtier.config import CacheConfig
 from kvtier.errors import ConfigError, LayoutMismatch
 from kvtier.layout import KVLayout
 from kvtier.memory.allocator import PageAllocator
@@ -34,6 +36,10 @@ def pages_for_memory(layout: KVLayout, free_bytes: int, fraction: float) -> int:
     if not 0.0 < fraction <= 1.0:
         raise ConfigError("cache.device_memory_fraction", fraction, "a share in (0, 1]")
     return int(free_bytes * fraction) // layout.page_bytes
+
+
+#: Largest CPU "device" pool sized from free memory (a CPU pool only stands in for a GPU).
+CPU_DEVICE_POOL_CAP_BYTES = 1 << 30
 
 
 class DevicePool:
@@ -65,6 +71,18 @@ class DevicePool:
                               f"a share of {free} free bytes holding at least one "
                               f"{layout.page_bytes}-byte page")
         return cls(layout, pages, dev)
+
+    @classmethod
+    def from_config(cls, config: CacheConfig, layout: KVLayout, device: str) -> DevicePool:
+        """The pool ``cache.device_pages`` asks for; 0 sizes it from free memory
+        (``cache.device_memory_fraction``; on the CPU at most ``CPU_DEVICE_POOL_CAP_BYTES``)."""
+        if config.device_pages:
+            return cls(layout, config.device_pages, device)
+        if str(device).startswith("cuda"):
+            return cls.from_free_memory(layout, config.device_memory_fraction, device)
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        budget = min(int(available * config.device_memory_fraction), CPU_DEVICE_POOL_CAP_BYTES)
+        return cls(layout, max(1, budget // layout.page_bytes), device)
 
     # ---- views -------------------------------------------------------------------------------
     @property

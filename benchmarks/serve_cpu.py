@@ -1,0 +1,144 @@
+"""Serving under load on the CPU: continuous batching against one-at-a-time, kvtier against --no-cache.
+
+Starts two ``kvtier serve`` processes on loopback (the tiny default model; kvtier on, and
+``--no-cache``), then, with ``kvtier bench serve``'s load generator:
+
+1. the batching goal: 16 random prompts sent one after another (concurrency 1) and 16 sent at
+   once (concurrency 16), on the kvtier server, fresh prompts each (no hits): generated tokens/s
+   side by side and their ratio (goal >= 3x);
+2. each workload (random, shared-prefix groups, multi-turn from the Mooncake trace scaled to
+   16-token blocks) against both servers: TTFT p50/p99, ITL p50/p99, throughput, cached share.
+
+Prints the tables, writes ``--json`` (+ .txt) and ``--plot``. Usage:
+
+    PYTHONPATH=src python benchmarks/serve_cpu.py --json benchmarks/results/serve_cpu.json \\
+        --plot benchmarks/results/serve_cpu.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+from kvtier.commands import bench_serve
+from kvtier.commands.serve_plot import plot_runs
+from kvtier.machine import machine_info
+
+ROOT = Path(__file__).resolve().parent.parent
+TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
+BATCH_GOAL = 3.0
+#: torch threads per server (``--threads``): on a machine shared with other jobs, one thread per
+#: server avoids OpenMP spinning against them (a 16-row step ran 25x slower with 2 threads there).
+THREADS = ["1"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def server(extra: list[str], log: Path) -> Iterator[str]:
+    """A ``kvtier serve`` subprocess; yields its base URL once /health answers."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "kvtier", "serve", "--port", str(port), "--device", "cpu",
+           "--host.pool_bytes", "64MiB", "--host.pinned_budget_bytes", "256MiB", *extra]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": THREADS[0]}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            with contextlib.suppress(OSError):
+                urllib.request.urlopen(url + "/health", timeout=2).read()
+                break
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited: {log.read_text()[-2000:]}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def _args(**kw: object) -> SimpleNamespace:
+    base = {"workload": "random", "num_requests": 16, "concurrency": 16, "request_rate": None,
+            "input_len": 128, "output_len": 64, "groups": 4, "prefix_len": 256,
+            "trace": str(TRACE), "block_tokens": 16, "vocab": 1000, "seed": 0, "api_key": ""}
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def warm(url: str) -> None:
+    """A few requests first: the first forwards of a process pay one-off costs."""
+    args = _args(num_requests=4, concurrency=4, output_len=8, seed=99)
+    bench_serve.measure(url, bench_serve.build_workload(args), args)
+
+
+def batching_goal(url: str) -> dict[str, object]:
+    runs = {}
+    for name, conc, seed in (("16 sequential", 1, 1), ("16 concurrent", 16, 2)):
+        args = _args(concurrency=conc, seed=seed)
+        runs[name] = bench_serve.measure(url, bench_serve.build_workload(args), args)
+    ratio = runs["16 concurrent"]["output_tokens_per_s"] / runs["16 sequential"]["output_tokens_per_s"]
+    return {"runs": runs, "ratio": round(ratio, 2), "goal": BATCH_GOAL, "met": ratio >= BATCH_GOAL}
+
+
+WORKLOADS = {
+    "random": _args(seed=3, num_requests=32),
+    "shared-prefix": _args(workload="shared-prefix", num_requests=32, input_len=32, seed=4),
+    "multi-turn": _args(workload="multi-turn", num_requests=40, output_len=32),
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--plot", type=Path)
+    parser.add_argument("--logs", type=Path, default=Path("/tmp"))
+    parser.add_argument("--threads", default="1", help="OMP_NUM_THREADS of each server.")
+    args = parser.parse_args()
+    THREADS[0] = args.threads
+    result: dict[str, object] = {"machine": machine_info(), "server_threads": args.threads}
+    tables = []
+    with server([], args.logs / "kvtier_serve_on.log") as on, \
+            server(["--no-cache"], args.logs / "kvtier_serve_off.log") as off:
+        warm(on)
+        warm(off)
+        goal = batching_goal(on)
+        result["batching"] = goal
+        tables.append(f"## batching (kvtier server, random 128-token prompts, 64 new tokens)\n"
+                      f"{bench_serve.table(goal['runs'])}\nratio {goal['ratio']}x "
+                      f"(goal >= {BATCH_GOAL}x: {'met' if goal['met'] else 'NOT met'})")
+        for name, wargs in WORKLOADS.items():
+            requests = bench_serve.build_workload(wargs)
+            runs = {"kvtier": bench_serve.measure(on, requests, wargs),
+                    "no-cache": bench_serve.measure(off, requests, wargs)}
+            result[name] = {"settings": bench_serve.settings(wargs), "runs": runs}
+            tables.append(f"## {name} {bench_serve.settings(wargs)}\n{bench_serve.table(runs)}")
+    text = "\n\n".join(tables)
+    print(text)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        args.json.with_suffix(".txt").write_text(text + "\n")
+    if args.plot:
+        flat = {**{k: v for k, v in goal["runs"].items()},
+                **{f"{w} {s}": r for w in WORKLOADS for s, r in result[w]["runs"].items()}}
+        plot_runs(flat, args.plot, title="kvtier bench serve, CPU, tiny-llama")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
