@@ -62,10 +62,11 @@ class CacheConfig:
                             minimum=0)
     device_memory_fraction: float = opt(0.3, "Share of free device memory for the device pool "
                                         "when device_pages is 0.", minimum=0.01, maximum=0.95)
-    eviction_policy: str = opt("retention", "Which pages the device and host tiers keep: "
-                               "retention (longer for runs that came back, weighted online), "
-                               "lru (the reference), lrfu, reuse.",
-                               choices=("retention", "lru", "lrfu", "reuse"))
+    eviction_policy: str = opt("shadow", "Which pages the device and host tiers keep: "
+                               "shadow (LRU unless miniature simulations prove a head start "
+                               "for runs that came back), lru (the reference), lrfu, reuse, "
+                               "retention.",
+                               choices=("shadow", "lru", "lrfu", "reuse", "retention"))
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,9 @@ only as opaque hashable objects, plus whatever history they keep (bounded); the 
 policy may read from a node is an integer ``hits`` attribute when the node has one (the radix
 index's count of requests that used it), with ``getattr(node, "hits", None)``. An
 ``AdmissionPolicy`` decides whether a page is worth copying down to a lower tier at all.
-Everything here runs on the engine thread; no locking, no torch. Policies beyond LRU live in
-``kvtier.index.policies`` and are looked up by name with ``make_eviction_policy``.
+Everything here runs on the engine thread; no locking, no torch. ``EVICTION_POLICIES`` lists
+every policy by name (the other policies live in their own modules, imported when first made
+by ``make_eviction_policy``).
 """
 
 from __future__ import annotations
@@ -109,6 +110,10 @@ class LeafHeap:
     def __contains__(self, node: Node) -> bool:
         return node in self._leaves
 
+    def nodes(self) -> list[Node]:
+        """The evictable leaves, in no particular order (a copy)."""
+        return list(self._leaves)
+
     def __len__(self) -> int:
         return len(self._leaves)
 
@@ -183,16 +188,19 @@ class AdmitOnSecondHit(AdmissionPolicy):
         return hits >= 2
 
 
-#: name -> "module:Class". ``kvtier.index.policies`` adds its policies here at import.
-EVICTION_POLICIES: dict[str, str] = {"lru": "kvtier.index.eviction:LRUPolicy"}
+#: Every eviction policy by name -> "module:Class", imported when first made (the one list:
+#: modules register nothing themselves).
+EVICTION_POLICIES: dict[str, str] = {
+    "lru": "kvtier.index.eviction:LRUPolicy",
+    "lrfu": "kvtier.index.policies:LRFUPolicy",
+    "reuse": "kvtier.index.policy_reuse:ReuseClassPolicy",
+    "retention": "kvtier.index.policy_retention:RetentionPolicy",
+    "shadow": "kvtier.index.policy_shadow:ShadowPolicy",
+}
 
 
 def make_eviction_policy(name: str, **options: Any) -> EvictionPolicy:
     """A new policy instance by registered name (one instance per tier)."""
-    try:
-        importlib.import_module("kvtier.index.policies")
-    except ImportError:
-        pass
     if name not in EVICTION_POLICIES:
         from kvtier.errors import ConfigError
 
