@@ -27,9 +27,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from kvtier.index.eviction import EvictionPolicy, LeafHeap, Node
+from kvtier.index.eviction import EvictionPolicy, LeafHeap, Node, page_layout
 from kvtier.index.minisim import CLASSES, Duel, PageSampler
-from kvtier.keys import KEY_BYTES
 
 #: head starts tried, in cache-fulls of new content per class (LRU first).
 WEIGHTS: tuple[float, ...] = (0.0, 2.0, 8.0)
@@ -48,19 +47,6 @@ class _Run:
     sample: tuple[bytes, ...] | None = None
     first: bytes | None = None     # the first page's identity (the key of its ghost)
     dead: bool = False
-
-
-def page_layout(node: Node) -> tuple[bytes, int]:
-    """The bytes that name ``node``'s pages and how many bytes name one: its page keys when it
-    has them, else its token bytes (``b"", 0`` for opaque nodes)."""
-    pages = getattr(node, "pages", 0) or 0
-    keys = getattr(node, "keys", b"") or b""
-    if pages and len(keys) == pages * KEY_BYTES:
-        return keys, KEY_BYTES
-    tokens = getattr(node, "tokens", b"") or b""
-    if not pages or not tokens:
-        return b"", 0
-    return tokens, len(tokens) // pages
 
 
 class ShadowPolicy(EvictionPolicy):

@@ -15,8 +15,9 @@ order; for each one:
    part that was used, not to the unused tail (which keeps its old recency, as a page-level
    cache would);
 5. commit: the write policy copies device pages to the host (``write_through``: all of them;
-   ``write_through_selective``: those the admission policy accepts, by default pages used twice)
-   and the host backs its new pages up to the disk.
+   ``write_through_selective``: what ``AdmitReturning`` expects to come back — pages seen
+   before, and the whole of a request that continues an earlier one) and the host backs its
+   new pages up to the disk.
 
 The request's path is locked on a tier while that tier allocates, so a request never evicts its
 own prefix. Evictions count through the index's ``on_evict`` hook. Main thread.
@@ -33,7 +34,7 @@ from kvtier.errors import ConfigError
 from kvtier.index.eviction import (
     AdmissionPolicy,
     AdmitAll,
-    AdmitOnSecondHit,
+    AdmitReturning,
     EvictionPolicy,
     make_eviction_policy,
 )
@@ -43,8 +44,11 @@ from kvtier.replay.timing import TimedPolicy, proxy_cost_ns
 from kvtier.replay.trace import Trace, TraceRequest
 
 REPLAY_TIERS: tuple[str, ...] = ("device", "host", "disk")
-WRITE_POLICIES: dict[str, type[AdmissionPolicy]] = {
-    "write_through": AdmitAll, "write_through_selective": AdmitOnSecondHit}
+#: write policy -> admission, given the lower tiers' capacity in pages (what a seen-page memory
+#: needs to cover: a page seen longer ago than the lower tiers could hold it is not served).
+WRITE_POLICIES: dict[str, Callable[[int], AdmissionPolicy]] = {
+    "write_through": lambda pages: AdmitAll(),
+    "write_through_selective": lambda pages: AdmitReturning(max(pages, 1))}
 
 
 @dataclass(frozen=True)
@@ -118,7 +122,8 @@ class _Replayer:
         self.config = config
         self.tiers = config.tiers()
         self.result = ReplayResult(config)
-        self.admission = WRITE_POLICIES[config.write_policy]()
+        self.admission = WRITE_POLICIES[config.write_policy](
+            config.pages("host") + config.pages("disk"))
         make = policy_factory or (lambda: make_eviction_policy(config.policy))
         self.policies: dict[str, EvictionPolicy] = {t: make() for t in self.tiers}
         if timed:
@@ -191,24 +196,13 @@ class _Replayer:
         if "host" not in self.tiers:
             return
         match = self.index.match(data)
-        admitted = self._admitted_pages(match)
+        admitted = self.admission.admitted_pages(match.path, match.depth_of("device"))
         written = self.result.written_pages
         written["host"] += self._put(data, match, "host", match.depth_of("host"), admitted)
         if "disk" in self.tiers:
             match = self.index.match(data)
             written["disk"] += self._put(data, match, "disk", match.depth_of("disk"),
                                          match.depth_of("host"))
-
-    def _admitted_pages(self, match: Any) -> int:
-        """Pages from the root that the admission policy lets down to the host (stops at the
-        first refusal: a lower tier holds a prefix contiguous from the root)."""
-        device = match.depth_of("device")
-        pos = 0
-        for node, used in match.path:
-            if pos + used > device or not self.admission.admit(node, node.hits):
-                break
-            pos += used
-        return min(pos, device)
 
 
 def replay(trace: Trace, config: ReplayConfig, *, timed: bool = False,
