@@ -53,6 +53,14 @@ class EvictionPolicy(ABC):
     def forget(self, node: Node) -> None:  # noqa: B027 - optional hook, default no history
         """``node`` left the index for good: drop any history kept about it."""
 
+    #: True when ``boost`` takes effect (a cache hint can only be honoured by such a policy).
+    supports_boost: bool = False
+
+    def boost(self, node: Node, pages: float) -> None:  # noqa: B027 - optional hook
+        """A soft hint: rank ``node`` as if it had been used ``pages`` pages of new content
+        later than it was (0 clears it). Never a pin: enough new content outlives any boost.
+        Policies without ``supports_boost`` ignore it."""
+
     @abstractmethod
     def __len__(self) -> int:
         """Number of evictable leaves the policy holds."""

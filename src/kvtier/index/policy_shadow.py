@@ -46,6 +46,7 @@ class _Run:
     pages: int
     sample: tuple[bytes, ...] | None = None
     first: bytes | None = None     # the first page's identity (the key of its ghost)
+    boost: float = 0.0             # a cache hint's head start, in pages of new content
     dead: bool = False
 
 
@@ -77,7 +78,7 @@ class ShadowPolicy(EvictionPolicy):
 
     def deadline(self, run: _Run) -> float:
         """The leaf's rank: lower goes first."""
-        return run.last_use + (-self.span if run.dead else self.span * run.klass)
+        return run.last_use + run.boost + (-self.span if run.dead else self.span * run.klass)
 
     # ---- the sampled stream ------------------------------------------------------------------
     def _resample(self, node: Node, run: _Run) -> tuple[bytes, ...]:
@@ -119,7 +120,8 @@ class ShadowPolicy(EvictionPolicy):
             run = self._runs.get(child)
             if run is not None:
                 run.dead = True
-                head = _Run(run.klass, run.last_use, run.born, run.hits, pages, first=run.first)
+                head = _Run(run.klass, run.last_use, run.born, run.hits, pages, first=run.first,
+                            boost=run.boost)
                 run.first = None
                 if child in self._leaves:
                     self._leaves.push(child, self.deadline(run))
@@ -148,7 +150,7 @@ class ShadowPolicy(EvictionPolicy):
         self._tick += 1
         run.last_use = self.clock + self._tick * TICK
         if node in self._leaves:
-            self._leaves.push(node, run.last_use + self.span * run.klass)
+            self._leaves.push(node, run.last_use + run.boost + self.span * run.klass)
 
     def add(self, node: Node, pages: int) -> None:
         run = self._runs.get(node)
@@ -199,6 +201,16 @@ class ShadowPolicy(EvictionPolicy):
         ghosts = self._ghosts
         while ghosts and (next(iter(ghosts.values()))[1] < limit or len(ghosts) > 1 << 16):
             ghosts.popitem(last=False)
+
+    supports_boost = True
+
+    def boost(self, node: Node, pages: float) -> None:
+        run = self._runs.get(node)
+        if run is None:
+            return
+        run.boost = max(float(pages), 0.0)
+        if node in self._leaves:
+            self._leaves.push(node, self.deadline(run))
 
     def forget(self, node: Node) -> None:
         self._leaves.forget(node)

@@ -20,7 +20,9 @@ order; for each one:
    new pages up to the disk.
 
 The request's path is locked on a tier while that tier allocates, so a request never evicts its
-own prefix. Evictions count through the index's ``on_evict`` hook. Main thread.
+own prefix. A request that carries a cache hint has its device path hinted through the same
+``HintBook`` the live cache uses (trace time as its clock; ``hint_share`` bounds a tenant).
+Evictions count through the index's ``on_evict`` hook. Main thread.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvtier.controller.hints import HintBook
 from kvtier.errors import ConfigError
 from kvtier.index.eviction import (
     AdmissionPolicy,
@@ -61,6 +64,7 @@ class ReplayConfig:
     policy: str = "lru"
     write_policy: str = "write_through"
     block_tokens: int = 512
+    hint_share: float = 0.25
 
     def __post_init__(self) -> None:
         if self.device_tokens < self.block_tokens:
@@ -70,6 +74,8 @@ class ReplayConfig:
             raise ConfigError("tier tokens", (self.host_tokens, self.disk_tokens), ">= 0")
         if self.write_policy not in WRITE_POLICIES:
             raise ConfigError("write_policy", self.write_policy, ", ".join(WRITE_POLICIES))
+        if not 0.0 <= self.hint_share <= 1.0:
+            raise ConfigError("hint_share", self.hint_share, "a share within [0, 1]")
 
     def pages(self, tier: str) -> int:
         return getattr(self, f"{tier}_tokens") // self.block_tokens
@@ -93,6 +99,7 @@ class ReplayResult:
     written_pages: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REPLAY_TIERS, 0))
     promoted_pages: dict[str, int] = field(default_factory=dict)
     uncached_requests: int = 0
+    hints: dict[str, int] = field(default_factory=dict)
     elapsed_s: float = 0.0
     policy_timing: dict[str, Any] | None = None
     #: per request: (input tokens, tokens served by the device, by the host, by the disk)
@@ -131,6 +138,10 @@ class _Replayer:
         self.index = RadixIndex(1, capacities={t: config.pages(t) for t in self.tiers},
                                 policies=self.policies, on_evict=self._evicted)
         self.promoted = self.result.promoted_pages
+        self.hints = HintBook(self.index, config.hint_share, self._count_hint)
+
+    def _count_hint(self, name: str, n: int) -> None:
+        self.result.hints[name] = self.result.hints.get(name, 0) + n
 
     def _evicted(self, node: Node, tier: str) -> None:
         self.result.evicted_pages[tier] += node.pages
@@ -153,7 +164,15 @@ class _Replayer:
             self.result.uncached_requests += 1
         if reach:
             self.index.touch(self.index.match(data[:4 * reach]))
+        self._hint(request, data, len(request.blocks) - d)
         self._write_down(data)
+
+    def _hint(self, request: TraceRequest, data: bytes, new_pages: int) -> None:
+        now = request.timestamp_ms / 1000.0
+        self.hints.observe(max(new_pages, 0), now)
+        if request.hint is not None:
+            path = [node for node, _ in self.index.match(data).path]
+            self.hints.apply(path, request.hint, request.tenant.encode(), now)
 
     @staticmethod
     def _bump(counter: dict[str, int], key: str, pages: int) -> None:

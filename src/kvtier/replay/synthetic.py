@@ -17,6 +17,9 @@ Owns four generators, each seeded and deterministic:
 - ``short``: many short sessions (one or two turns) with quick replies under one system prompt.
 - ``system``: a few long shared system prompts (Zipf) under one-shot user messages, a third of
   which ask one follow-up.
+- ``hinted``: a few long documents asked about every ``reuse_s`` with a cache hint
+  (``prompt_cache_retention: in_memory``), under a flood of one-off prompts that fills the
+  cache many times between two uses: the workload that shows what hints are for.
 
 Content is modelled as segments (an id and a token length); a block's id names its exact content
 (which segments and offsets it covers) and its parent block, so ids form prefix chains as in a
@@ -30,6 +33,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvtier.hints import CacheHint, openai_hint
 from kvtier.replay.trace import Trace, TraceRequest
 
 Segment = tuple[int, int]  # (segment id, tokens)
@@ -105,9 +109,10 @@ def _bisect(values: list[float], x: float) -> int:
     return lo
 
 
-def _request(namer: BlockNamer, t_s: float, segments: list[Segment], output: int) -> TraceRequest:
+def _request(namer: BlockNamer, t_s: float, segments: list[Segment], output: int,
+             hint: CacheHint | None = None) -> TraceRequest:
     return TraceRequest(int(t_s * 1000), sum(n for _, n in segments), output,
-                        namer.blocks(segments))
+                        namer.blocks(segments), hint)
 
 
 def _finish(name: str, shape: Shape, requests: list[TraceRequest]) -> Trace:
@@ -225,6 +230,25 @@ def system(shape: Shape = Shape(), prompts: int = 24, zipf_s: float = 1.0,
             follow = [*context, namer.segment(answer), namer.segment(_lognormal(rng, 150))]
             requests.append(_request(namer, t + _lognormal(rng, 60.0), follow, answer))
     return _finish("synthetic-system", shape, requests)
+
+
+def hinted(shape: Shape = Shape(), documents: int = 4, reuse_s: float = 90.0,
+           hints: bool = True) -> Trace:
+    """``documents`` of 6k tokens, each asked about every ``reuse_s`` (hinted when ``hints``),
+    and one-off prompts of ~4k tokens for the rest of the requests."""
+    rng, namer = random.Random(shape.seed + 6), BlockNamer(shape.block_tokens)
+    docs = [namer.segment(6000) for _ in range(documents)]
+    requests = []
+    for i, doc in enumerate(docs):
+        hint = openai_hint(f"doc-{i}", "in_memory") if hints else None
+        t = rng.uniform(0.0, reuse_s)
+        while t < shape.duration_s:
+            requests.append(_request(namer, t, [doc, namer.segment(100)], 200, hint))
+            t += reuse_s
+    while len(requests) < shape.requests:
+        requests.append(_request(namer, rng.uniform(0.0, shape.duration_s),
+                                 [namer.segment(_lognormal(rng, 4000, 0.4))], 200))
+    return _finish("synthetic-hinted" if hints else "synthetic-unhinted", shape, requests)
 
 
 GENERATORS: dict[str, Callable[[Shape], Trace]] = {
