@@ -124,6 +124,9 @@ class ControllerConfig:
     io_queue_depth: int = opt(1024, "Bound on queued IO jobs; past it jobs are refused.",
                               minimum=1)
     job_deadline_s: float = opt(5.0, "Deadline of one IO job.", minimum=0.001)
+    hint_share: float = opt(0.25, "Most of the device tier one tenant's cache hints "
+                            "(prompt_cache_retention, cache_control) may protect; 0: hints off.",
+                            minimum=0.0, maximum=1.0)
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,10 @@ class Engine:
             report.prefill_s = time.perf_counter() - started
         finally:
             self.prefix_cache.commit_prompt(state, prompt, kv)
+        if request.hint is not None:
+            outcome = self.prefix_cache.tiered.hint(prompt, request.hint, request.salt,
+                                                    request.tenant)
+            report.cache_hint = {**request.hint.as_dict(), **outcome.as_dict()}
         return seq
 
     def decode(self, seq: Sequence) -> None:
