@@ -24,6 +24,8 @@ def test_openai_fields_map_to_retention_and_a_key_alone_means_in_memory():
 
 @pytest.mark.parametrize(("call", "field"), [
     (lambda: openai_hint(None, "forever"), "prompt_cache_retention"),
+    (lambda: openai_hint(None, ["24h"]), "prompt_cache_retention"),
+    (lambda: cache_control_hint({"type": "ephemeral", "ttl": ["1h"]}), "cache_control.ttl"),
     (lambda: openai_hint("", None), "prompt_cache_key"),
     (lambda: openai_hint(7, None), "prompt_cache_key"),
     (lambda: cache_control_hint({"type": "persistent"}), "cache_control.type"),

@@ -51,7 +51,8 @@ def openai_hint(key: Any, retention: Any) -> CacheHint | None:
     ``in_memory`` retention, which is what OpenAI gives every cached prefix."""
     if key is not None and (not isinstance(key, str) or not 0 < len(key) <= MAX_KEY_CHARS):
         raise HintError("prompt_cache_key", key, f"a string of 1 to {MAX_KEY_CHARS} characters")
-    if retention is not None and retention not in OPENAI_RETENTION:
+    if retention is not None and (not isinstance(retention, str)
+                                  or retention not in OPENAI_RETENTION):
         raise HintError("prompt_cache_retention", retention,
                         " or ".join(repr(k) for k in OPENAI_RETENTION))
     if key is None and retention is None:
@@ -70,7 +71,7 @@ def cache_control_hint(value: Any, field: str = "cache_control") -> CacheHint | 
     if unknown:
         raise HintError(f"{field}.{unknown[0]}", value[unknown[0]], "only 'type' and 'ttl'")
     ttl = value.get("ttl", "5m")
-    if ttl not in ANTHROPIC_TTL:
+    if not isinstance(ttl, str) or ttl not in ANTHROPIC_TTL:
         raise HintError(f"{field}.ttl", ttl, " or ".join(repr(k) for k in ANTHROPIC_TTL))
     return CacheHint(ANTHROPIC_TTL[ttl], None, "cache_control")
 
