@@ -104,9 +104,10 @@ def _panel(ax: Any, title: str, rows: list[dict[str, Any]], policies: list[str],
     names = [*policies, *(["dead_first"] if "dead_first" in rows[0] else []), "bound"]
     labels = {"bound": "offline bound (Belady)",
               "dead_first": "LRU that knows which pages never return (oracle)"}
+    order = [*policies, "dead_first", "bound"]   # one colour per series in every panel
     for name in names:
         ax.plot(x, [100 * r[name] for r in rows], marker="o", markersize=3,
-                label=labels.get(name, name),
+                label=labels.get(name, name), color=f"C{order.index(name) % 10}",
                 linestyle={"bound": "--", "dead_first": ":"}.get(name, "-"))
     if infinite is not None:
         ax.axhline(100 * infinite, color="grey", linewidth=0.8, label="infinite capacity")
@@ -140,9 +141,9 @@ def write_plot(data: dict[str, Any], path: str | Path) -> Path | None:
         ax.axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8)
-    fig.supxlabel("cache capacity (tokens, single tier)", fontsize=9)
     fig.supylabel("input tokens served from cache (%)", fontsize=9)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.text(0.5, 0.055, "cache capacity (tokens, single tier)", ha="center", fontsize=9)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out)
