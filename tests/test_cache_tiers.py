@@ -257,7 +257,7 @@ def test_plan_split_recomputes_a_head_only_when_it_pays() -> None:
         assert cache.plan_split(cache.match(tokens)) == 0  # a device hit is never recomputed
 
 
-@pytest.mark.parametrize(("flag", "name"), [(None, "retention"), ("lru", "lru"), ("lrfu", "lrfu")])
+@pytest.mark.parametrize(("flag", "name"), [(None, "shadow"), ("lru", "lru"), ("lrfu", "lrfu")])
 def test_the_configured_eviction_policy_runs_the_device_and_host_tiers(flag, name) -> None:
     from cache_support import NAMESPACE
     from kvtier.cache import TieredCache

@@ -17,7 +17,6 @@ from kvtier.index.eviction import EVICTION_POLICIES, LRUPolicy, make_eviction_po
 from kvtier.index.policies import LRFUPolicy
 from kvtier.index.radix import RadixIndex
 
-make_eviction_policy("lru")  # imports kvtier.index.policies, which registers its policies
 NAMES = sorted(EVICTION_POLICIES)
 
 

@@ -115,14 +115,23 @@ def test_device_evictions_are_served_from_the_host_under_write_through():
     assert result.written_pages["host"] == 4
 
 
-def test_selective_write_copies_only_pages_used_twice():
+def test_selective_write_copies_a_continued_request_whole_and_skips_one_offs():
     trace = trace_of(req(0, 1, 2), req(1, 1, 2, 3), req(2, 7, 8), req(3, 1, 2, 3))
     through = replay(trace, ReplayConfig(3 * B, 8 * B, 8 * B, block_tokens=B))
     selective = replay(trace, ReplayConfig(3 * B, 8 * B, 8 * B,
                                            write_policy="write_through_selective", block_tokens=B))
     assert through.written_pages["disk"] == 5
-    assert selective.written_pages["disk"] == 2          # pages 1 and 2, used twice
-    assert selective.served_share < through.served_share
+    assert selective.written_pages["disk"] == 3          # [1, 2, 3]: it continued [1, 2]
+    assert selective.served_share == through.served_share  # the one-offs never came back
+
+
+def test_selective_write_serves_a_returning_chain_that_the_device_dropped():
+    # the device holds 3 pages: [1, 2, 3] is gone when its third turn comes
+    trace = trace_of(req(0, 1, 2), req(1, 5, 6), req(2, 1, 2, 3), req(3, 7, 8), req(4, 1, 2, 3))
+    result = replay(trace, ReplayConfig(3 * B, 8 * B, write_policy="write_through_selective",
+                                        block_tokens=B))
+    assert result.served_tokens["host"] == 3 * B         # the third turn reads [1, 2, 3]
+    assert result.written_pages["host"] == 3             # [5, 6] and [7, 8] never went down
 
 
 def test_pages_only_on_disk_land_on_the_host_first():

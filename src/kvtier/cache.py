@@ -156,6 +156,12 @@ class TieredCache:
         the write policy. The cache owns every id passed from now on."""
         self.controller.commit(tokens, device_page_ids, salt)
 
+    def hint(self, tokens: Any, hint: Any, salt: bytes | str | None = None,
+             tenant: str = "") -> Any:
+        """Honour a request's cache hint (``kvtier.hints.CacheHint``) on its committed prefix:
+        a bounded head start in eviction, never a pin; returns the ``HintOutcome``."""
+        return self.controller.hint(tokens, hint, salt, tenant)
+
     def release(self, loaded_or_hit: Loaded | Hit) -> None:
         """Unpin what ``load`` pinned (idempotent)."""
         self.controller.release(loaded_or_hit)

@@ -68,10 +68,11 @@ class CacheConfig:
                             "contexts of the model, at most 64 MiB).", minimum=0)
     device_memory_fraction: float = opt(0.3, "Share of free device memory for the device pool "
                                         "when device_pages is 0.", minimum=0.01, maximum=0.95)
-    eviction_policy: str = opt("retention", "Which pages the device and host tiers keep: "
-                               "retention (longer for runs that came back, weighted online), "
-                               "lru (the reference), lrfu, reuse.",
-                               choices=("retention", "lru", "lrfu", "reuse"))
+    eviction_policy: str = opt("shadow", "Which pages the device and host tiers keep: "
+                               "shadow (LRU unless miniature simulations prove a head start "
+                               "for runs that came back), lru (the reference), lrfu, reuse, "
+                               "retention.",
+                               choices=("shadow", "lru", "lrfu", "reuse", "retention"))
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,9 @@ class ControllerConfig:
     io_queue_depth: int = opt(1024, "Bound on queued IO jobs; past it jobs are refused.",
                               minimum=1)
     job_deadline_s: float = opt(5.0, "Deadline of one IO job.", minimum=0.001)
+    hint_share: float = opt(0.25, "Most of the device tier one tenant's cache hints "
+                            "(prompt_cache_retention, cache_control) may protect; 0: hints off.",
+                            minimum=0.0, maximum=1.0)
 
 
 @dataclass(frozen=True)

@@ -199,6 +199,14 @@ def _cache(cache: Mapping[str, Any]) -> Iterator[Metric]:
                    rows, ("tier", "outcome"))
     yield _counter("kvtier_backup_pages_total", "Pages a store confirmed after a backup.",
                    _by_key(counters.get("backup_pages_total")), ("tier",))
+    yield _counter("kvtier_cache_hint_pages_total", "Prompt pages that cache hints asked to "
+                   "keep longer, by outcome: applied, refused (past the tenant's share), expired.",
+                   [((k,), counters.get(f"hint_pages_{k}_total", 0))
+                    for k in ("applied", "refused", "expired")], ("outcome",))
+    yield _counter("kvtier_cache_hint_requests_total", "Requests with a cache hint, by outcome: "
+                   "hinted, ignored (no tier's eviction policy can honour hints).",
+                   [(("hinted",), counters.get("hint_requests_total", 0)),
+                    (("ignored",), counters.get("hint_ignored_total", 0))], ("outcome",))
     workers = cache.get("workers") or {}
     yield _gauge("kvtier_io_jobs_queued", "IO jobs waiting for a worker, by kind.",
                  [(("load",), workers.get("queued_loads", 0)),

@@ -36,8 +36,10 @@ def register(subparsers: Any) -> None:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--trace", metavar="FILE", default=None,
                         help=f"JSON-lines trace (Mooncake format) [default: {DEFAULT_TRACE}]")
-    source.add_argument("--synthetic", metavar="NAME", choices=("chat", "agent", "rag", "scan"),
-                        help="Replay a generated workload instead: chat, agent, rag or scan.")
+    source.add_argument("--synthetic", metavar="NAME",
+                        choices=("chat", "agent", "rag", "scan", "multiturn", "short", "system"),
+                        help="Replay a generated workload instead: chat, agent, rag, scan, "
+                             "multiturn, short or system.")
     parser.add_argument("--block-tokens", type=int, default=512, help="Tokens per trace block.")
     parser.add_argument("--device-tokens", type=_tokens, default=3_000_000,
                         help="Device tier capacity in tokens (e.g. 3M).")

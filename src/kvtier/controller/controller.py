@@ -22,6 +22,7 @@ from kvtier.controller.backups import Backups
 from kvtier.controller.context import CacheContext
 from kvtier.controller.handles import Hit, Loaded
 from kvtier.controller.jobs import PrefetchJob
+from kvtier.controller.hints import HintBook, HintOutcome
 from kvtier.controller.loadback import LoadBack
 from kvtier.controller.lookup import Lookup
 from kvtier.controller.prefetch import Prefetcher
@@ -47,6 +48,7 @@ class CacheController:
         self.private_owner: dict[int, Loaded] = {}
         self.loader = LoadBack(ctx, self.prefetcher, self.writer, self.ranks, self.private_owner)
         ctx.index.on_evict = self.writer.on_evict
+        self.hints = HintBook(ctx.index, ctx.config.hint_share, ctx.count)
 
     # ---- requests ------------------------------------------------------------------------
     def prefetch(self, hit: Hit, recompute_tokens: int = 0) -> None:
@@ -107,7 +109,15 @@ class CacheController:
         ctx.index.free("device", result.unused_ids + [i for i in ids[full:] if i not in held])
         ctx.count("commit_total")
         ctx.count("commit_new_pages_total", result.taken)
+        self.hints.observe(result.taken, time.monotonic())
         self.writer.after_commit(data, key, keys, match)  # walks again only if insert changed it
+
+    def hint(self, tokens: Any, hint: Any, salt: bytes | str | None = None,
+             tenant: str = "") -> HintOutcome:
+        """Apply a request's cache hint to the device path of ``tokens`` (after its commit)."""
+        data, key = as_token_bytes(tokens), salt_bytes(salt)
+        path = [node for node, _ in self.ctx.index.match(data, key).path]
+        return self.hints.apply(path, hint, (tenant or "").encode(), time.monotonic())
 
     def _check_ownership(self, ids: list[int], full: int, held: list[int]) -> None:
         if len(ids) < full:

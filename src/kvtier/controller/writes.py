@@ -3,8 +3,9 @@
 Owns ``HostWriter``. Policies (``controller.write_policy``):
 
 - ``write_through``: every committed page gets a host copy at commit;
-- ``write_through_selective``: a page gets one once it has been used twice (created once, hit
-  once: ``AdmitOnSecondHit``), checked at commit and at every load;
+- ``write_through_selective``: a page gets one when it is likely to come back
+  (``AdmitReturning``: pages seen before, and the whole of a request that continues an
+  earlier one), checked at commit and at every load;
 - ``write_back``: a page gets one when the device evicts it (the index's ``on_evict`` hook; the
   copy is waited for, since the device page is freed right after).
 
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING
 from kvtier.controller.backups import Backups
 from kvtier.controller.context import CacheContext, path_of, split_keys
 from kvtier.errors import PoolExhausted
-from kvtier.index.eviction import AdmissionPolicy, AdmitAll, AdmitOnSecondHit
+from kvtier.index.eviction import AdmissionPolicy, AdmitAll, AdmitReturning
 from kvtier.index.match import IndexMatch
 from kvtier.index.residency import TIER_INDEX, Node
 
@@ -59,7 +60,7 @@ class HostWriter:
         self.backups = backups
         self.policy = ctx.config.write_policy
         self.admission: AdmissionPolicy = (
-            AdmitOnSecondHit() if self.policy == "write_through_selective" else AdmitAll())
+            AdmitReturning() if self.policy == "write_through_selective" else AdmitAll())
         self.pending: deque[HostCopy] = deque()
 
     # ---- policy entry points -------------------------------------------------------------
@@ -84,12 +85,7 @@ class HostWriter:
         return index.match(data, salt) if match is None else index.current(match)
 
     def _admitted_depth(self, match: IndexMatch) -> int:
-        depth = 0
-        for node, used in match.path:
-            if not self.admission.admit(node, node.hits):
-                break
-            depth += used
-        return min(depth, match.depth_of("device"))
+        return self.admission.admitted_pages(match.path, match.depth_of("device"))
 
     def on_evict(self, node: Node, tier: str) -> None:
         """Index hook: under write-back, copy a device victim (and its path) to host first."""

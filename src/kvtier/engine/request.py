@@ -33,6 +33,7 @@ class GenerationRequest:
     salt: str | None = None
     tenant: str = ""
     request_id: str = ""
+    hint: Any = None               # kvtier.hints.CacheHint: keep the prefix longer (soft)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -55,13 +56,17 @@ class PrefillReport:
     computed_tokens: int = 0
     queue_s: float = 0.0
     prefill_s: float = 0.0
+    cache_hint: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {"cached_tokens": self.cached_tokens, "cached_tokens_by_tier": dict(self.cached_by_tier),
-                "matched_tokens": self.matched_tokens,
-                "recomputed_hit_tokens": self.recomputed_hit_tokens,
-                "computed_tokens": self.computed_tokens, "queue_s": round(self.queue_s, 6),
-                "prefill_s": round(self.prefill_s, 6)}
+        out = {"cached_tokens": self.cached_tokens, "cached_tokens_by_tier": dict(self.cached_by_tier),
+               "matched_tokens": self.matched_tokens,
+               "recomputed_hit_tokens": self.recomputed_hit_tokens,
+               "computed_tokens": self.computed_tokens, "queue_s": round(self.queue_s, 6),
+               "prefill_s": round(self.prefill_s, 6)}
+        if self.cache_hint is not None:
+            out["cache_hint"] = self.cache_hint
+        return out
 
 
 @dataclass(frozen=True)

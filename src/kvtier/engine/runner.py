@@ -197,6 +197,16 @@ class Engine:
             seq.report.prefill_s = time.perf_counter() - seq.admitted_at
             seq.report.computed_tokens = seq.report.prompt_tokens - seq.report.cached_tokens
             self.pages.commit_prompt(seq.kv, seq.tokens[:seq.computed])
+            self._apply_hint(seq)
+
+    def _apply_hint(self, seq: Sequence) -> None:
+        """A request's cache hint (soft priority) on the prompt's pages, once they are committed."""
+        request = seq.request
+        if request.hint is None or self.prefix_cache is None:
+            return
+        prompt = seq.tokens[:seq.report.prompt_tokens]
+        outcome = self.prefix_cache.tiered.hint(prompt, request.hint, request.salt, request.tenant)
+        seq.report.cache_hint = {**request.hint.as_dict(), **outcome.as_dict()}
 
     def _observe(self, seq: Sequence, seconds: float) -> None:
         """A cold prompt run whole and alone teaches the split the prefill rate."""

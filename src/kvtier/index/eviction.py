@@ -8,8 +8,9 @@ only as opaque hashable objects, plus whatever history they keep (bounded); the 
 policy may read from a node is an integer ``hits`` attribute when the node has one (the radix
 index's count of requests that used it), with ``getattr(node, "hits", None)``. An
 ``AdmissionPolicy`` decides whether a page is worth copying down to a lower tier at all.
-Everything here runs on the engine thread; no locking, no torch. Policies beyond LRU live in
-``kvtier.index.policies`` and are looked up by name with ``make_eviction_policy``.
+Everything here runs on the engine thread; no locking, no torch. ``EVICTION_POLICIES`` lists
+every policy by name (the other policies live in their own modules, imported when first made
+by ``make_eviction_policy``).
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ import heapq
 import importlib
 import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Hashable
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
 from typing import Any
+
+from kvtier.keys import KEY_BYTES
 
 Node = Hashable
 
@@ -48,6 +52,14 @@ class EvictionPolicy(ABC):
 
     def forget(self, node: Node) -> None:  # noqa: B027 - optional hook, default no history
         """``node`` left the index for good: drop any history kept about it."""
+
+    #: True when ``boost`` takes effect (a cache hint can only be honoured by such a policy).
+    supports_boost: bool = False
+
+    def boost(self, node: Node, pages: float) -> None:  # noqa: B027 - optional hook
+        """A soft hint: rank ``node`` as if it had been used ``pages`` pages of new content
+        later than it was (0 clears it). Never a pin: enough new content outlives any boost.
+        Policies without ``supports_boost`` ignore it."""
 
     @abstractmethod
     def __len__(self) -> int:
@@ -109,6 +121,10 @@ class LeafHeap:
     def __contains__(self, node: Node) -> bool:
         return node in self._leaves
 
+    def nodes(self) -> list[Node]:
+        """The evictable leaves, in no particular order (a copy)."""
+        return list(self._leaves)
+
     def __len__(self) -> int:
         return len(self._leaves)
 
@@ -164,6 +180,17 @@ class AdmissionPolicy(ABC):
     def admit(self, node: Node, hits: int) -> bool:
         """True to copy ``node`` down; ``hits`` is how often the node has been used."""
 
+    def admitted_pages(self, path: Sequence[tuple[Node, int]], limit: int) -> int:
+        """Pages from the root of one request's matched ``path`` ((node, pages used) pairs) to
+        copy down, at most ``limit``: up to the first node ``admit`` refuses (a lower tier
+        holds a prefix contiguous from the root). Called once per request."""
+        pos = 0
+        for node, used in path:
+            if pos + used > limit or not self.admit(node, getattr(node, "hits", 1)):
+                break
+            pos += used
+        return min(pos, limit)
+
 
 class AdmitAll(AdmissionPolicy):
     """Copy every page down (``write_through``)."""
@@ -175,7 +202,7 @@ class AdmitAll(AdmissionPolicy):
 
 
 class AdmitOnSecondHit(AdmissionPolicy):
-    """Copy a page down once it has been used twice (``write_through_selective``)."""
+    """Copy a page down once its node has been used twice."""
 
     name = "second_hit"
 
@@ -183,16 +210,81 @@ class AdmitOnSecondHit(AdmissionPolicy):
         return hits >= 2
 
 
-#: name -> "module:Class". ``kvtier.index.policies`` adds its policies here at import.
-EVICTION_POLICIES: dict[str, str] = {"lru": "kvtier.index.eviction:LRUPolicy"}
+def page_layout(node: Node) -> tuple[bytes, int]:
+    """The bytes that name ``node``'s pages and how many bytes name one: its page keys when it
+    has them, else its token bytes (``b"", 0`` for opaque nodes)."""
+    pages = getattr(node, "pages", 0) or 0
+    keys = getattr(node, "keys", b"") or b""
+    if pages and len(keys) == pages * KEY_BYTES:
+        return keys, KEY_BYTES
+    tokens = getattr(node, "tokens", b"") or b""
+    if not pages or not tokens:
+        return b"", 0
+    return tokens, len(tokens) // pages
+
+
+class AdmitReturning(AdmissionPolicy):
+    """Copy down what is likely to come back (``write_through_selective``).
+
+    A page cannot be known to return before it does, but two kinds of request show it:
+
+    - pages a request shares with earlier requests came back once already (a shared system
+      prompt, a document, a conversation's history), so the matched prefix of pages seen
+      before is admitted, seen across evictions (a page the device dropped and the request
+      recomputed still counts as seen);
+    - a request whose seen prefix ends in pages seen exactly once before continues one earlier
+      request (the next turn of a conversation, the next step of an agent): the whole request,
+      its new pages too, is what that chain's next request will read, so all of it is admitted.
+
+    Pages seen by one request only (a first turn, a one-off document) are not copied down. The
+    memory of seen pages is bounded (``memory`` page identities, oldest dropped first; size it
+    to the lower tiers' capacity, beyond which a page could not have been served anyway).
+    """
+
+    name = "returning"
+
+    def __init__(self, memory: int = 1 << 18) -> None:
+        if memory < 1:
+            raise ValueError(f"memory must be >= 1 page, got {memory}")
+        self.memory = memory
+        self._seen: OrderedDict[bytes, int] = OrderedDict()
+
+    def admit(self, node: Node, hits: int) -> bool:
+        buffer, step = page_layout(node)
+        return hits >= 2 or (step > 0 and buffer[:step] in self._seen)
+
+    def admitted_pages(self, path: Sequence[tuple[Node, int]], limit: int) -> int:
+        seen = self._seen
+        pos = returning = 0
+        private = False
+        for node, used in path:
+            buffer, step = page_layout(node)
+            for i in range(used if step else 0):
+                key = buffer[i * step:(i + 1) * step]
+                count = seen.pop(key, 0)
+                if count and returning == pos:
+                    returning += 1
+                    private = count == 1
+                seen[key] = count + 1
+                pos += 1
+        while len(seen) > self.memory:
+            seen.popitem(last=False)
+        return min(limit, pos if private and returning else returning)
+
+
+#: Every eviction policy by name -> "module:Class", imported when first made (the one list:
+#: modules register nothing themselves).
+EVICTION_POLICIES: dict[str, str] = {
+    "lru": "kvtier.index.eviction:LRUPolicy",
+    "lrfu": "kvtier.index.policies:LRFUPolicy",
+    "reuse": "kvtier.index.policy_reuse:ReuseClassPolicy",
+    "retention": "kvtier.index.policy_retention:RetentionPolicy",
+    "shadow": "kvtier.index.policy_shadow:ShadowPolicy",
+}
 
 
 def make_eviction_policy(name: str, **options: Any) -> EvictionPolicy:
     """A new policy instance by registered name (one instance per tier)."""
-    try:
-        importlib.import_module("kvtier.index.policies")
-    except ImportError:
-        pass
     if name not in EVICTION_POLICIES:
         from kvtier.errors import ConfigError
 

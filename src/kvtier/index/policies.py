@@ -1,4 +1,4 @@
-"""Eviction policies beyond LRU, registered by name into ``EVICTION_POLICIES`` at import.
+"""Eviction policies beyond LRU, listed by name in ``kvtier.index.eviction.EVICTION_POLICIES``.
 
 Owns ``LRFUPolicy`` (``"lrfu"``): a recency-and-frequency policy for prefix caches, self-tuning
 to the tier it runs on. Each node keeps a decayed reference count ``C`` (each use adds 1; the
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 
-from kvtier.index.eviction import EVICTION_POLICIES, EvictionPolicy, LeafHeap, Node
+from kvtier.index.eviction import EvictionPolicy, LeafHeap, Node
 
 
 class LRFUPolicy(EvictionPolicy):
@@ -109,8 +109,3 @@ class LRFUPolicy(EvictionPolicy):
     def __len__(self) -> int:
         return len(self._leaves)
 
-
-EVICTION_POLICIES.setdefault("lrfu", "kvtier.index.policies:LRFUPolicy")
-
-# Policies in their own modules register themselves on import.
-from kvtier.index import policy_retention, policy_reuse  # noqa: E402,F401

@@ -35,7 +35,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from kvtier.index.eviction import EVICTION_POLICIES, EvictionPolicy, LeafHeap, Node
+from kvtier.index.eviction import EvictionPolicy, LeafHeap, Node
 
 CLASSES = 4          # came back 0, 1, 2, 3+ times
 
@@ -221,5 +221,3 @@ class RetentionPolicy(EvictionPolicy):
     def __len__(self) -> int:
         return len(self._dead) + sum(len(h) for h in self._heaps)
 
-
-EVICTION_POLICIES.setdefault("retention", "kvtier.index.policy_retention:RetentionPolicy")

@@ -33,7 +33,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from kvtier.index.eviction import EVICTION_POLICIES, EvictionPolicy, LeafHeap, Node
+from kvtier.index.eviction import EvictionPolicy, LeafHeap, Node
 
 SIZE_BUCKETS = 8
 TURN_BUCKETS = 4
@@ -238,5 +238,3 @@ class ReuseClassPolicy(EvictionPolicy):
     def __len__(self) -> int:
         return len(self._leaves)
 
-
-EVICTION_POLICIES.setdefault("reuse", "kvtier.index.policy_reuse:ReuseClassPolicy")

@@ -78,6 +78,8 @@ def study_tables(data: dict[str, Any]) -> str:
         parts += [f"\nSynthetic workload {name} ({body['trace']['requests']} requests, "
                   f"{body['trace']['unique_blocks']} unique blocks):",
                   _curve_table(body["curve"], policies)]
+        if body.get("tiers"):
+            parts += [f"Write policies on {name}:", _tiers_table(body["tiers"])]
     parts += ["\nWrite policies on device + host + disk:", _tiers_table(data["tiers"]),
               "\nPolicy overhead (single tier, 3M tokens): per method inside the timed replay, and "
               "the replay's exact call stream re-run alone:",
@@ -87,8 +89,39 @@ def study_tables(data: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+def _curves(data: dict[str, Any]) -> list[tuple[str, list[dict[str, Any]], float | None]]:
+    """(title, rows, infinite share) of every capacity curve in a study, the main one first."""
+    out = [(data["trace"]["name"], data["curve"], data["trace"]["infinite_share"])]
+    out += [(name, rows, None) for name, rows in data.get("held_out", {}).items()]
+    out += [(body["trace"]["name"], body["curve"], body["trace"].get("infinite_share"))
+            for body in data.get("synthetic", {}).values()]
+    return out
+
+
+def _panel(ax: Any, title: str, rows: list[dict[str, Any]], policies: list[str],
+           infinite: float | None) -> None:
+    x = [r["tokens"] / 1e6 for r in rows]
+    names = [*policies, *(["dead_first"] if "dead_first" in rows[0] else []), "bound"]
+    labels = {"bound": "offline bound (Belady)",
+              "dead_first": "LRU that knows which pages never return (oracle)"}
+    order = [*policies, "dead_first", "bound"]   # one colour per series in every panel
+    for name in names:
+        ax.plot(x, [100 * r[name] for r in rows], marker="o", markersize=3,
+                label=labels.get(name, name), color=f"C{order.index(name) % 10}",
+                linestyle={"bound": "--", "dead_first": ":"}.get(name, "-"))
+    if infinite is not None:
+        ax.axhline(100 * infinite, color="grey", linewidth=0.8, label="infinite capacity")
+    ax.set_xscale("log")
+    ax.set_xticks(x, [f"{v:.2g}M" for v in x], fontsize=7)
+    ax.minorticks_off()
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.tick_params(axis="y", labelsize=7)
+
+
 def write_plot(data: dict[str, Any], path: str | Path) -> Path | None:
-    """Served share vs capacity for each policy, the offline bound and infinite capacity."""
+    """Served share vs capacity for each policy and the offline bound, one panel per trace
+    (the main trace, its held-out halves, each synthetic workload)."""
     try:
         import matplotlib
 
@@ -97,27 +130,20 @@ def write_plot(data: dict[str, Any], path: str | Path) -> Path | None:
     except ImportError:
         print(f"matplotlib is not installed: no plot written to {path}")
         return None
-    rows = data["curve"]
-    x = [r["tokens"] / 1e6 for r in rows]
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-    labels = {"bound": "offline bound (Belady)",
-              "dead_first": "LRU that knows which pages never return (oracle)"}
-    for name in [*data["policies"], *(["dead_first"] if "dead_first" in rows[0] else []),
-                 "bound"]:
-        ax.plot(x, [100 * r[name] for r in rows], marker="o", label=labels.get(name, name),
-                linestyle={"bound": "--", "dead_first": ":"}.get(name, "-"))
-    ax.axhline(100 * data["trace"]["infinite_share"], color="grey", linewidth=0.8,
-               label="infinite capacity")
-    ax.set_xscale("log")
-    ax.set_xticks(x, [f"{v:g}M" for v in x])
-    ax.minorticks_off()
-    ax.set_xlabel("cache capacity (tokens, single tier)")
-    ax.set_ylabel("input tokens served from cache (%)")
-    ax.set_title(f"{data['trace']['name']}: served share vs capacity")
-    ax.grid(True, alpha=0.3)
-    ax.set_ylim(0, 100 * data["trace"]["infinite_share"] * 1.35)
-    ax.legend(loc="upper left", fontsize=8, ncol=2)
-    fig.tight_layout()
+    curves = _curves(data)
+    cols = 3
+    rows = -(-len(curves) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), dpi=110,
+                             squeeze=False)
+    for ax, (title, body, infinite) in zip(axes.flat, curves, strict=False):
+        _panel(ax, title, body, data["policies"], infinite)
+    for ax in list(axes.flat)[len(curves):]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8)
+    fig.supylabel("input tokens served from cache (%)", fontsize=9)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.text(0.5, 0.055, "cache capacity (tokens, single tier)", ha="center", fontsize=9)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out)

@@ -15,11 +15,14 @@ order; for each one:
    part that was used, not to the unused tail (which keeps its old recency, as a page-level
    cache would);
 5. commit: the write policy copies device pages to the host (``write_through``: all of them;
-   ``write_through_selective``: those the admission policy accepts, by default pages used twice)
-   and the host backs its new pages up to the disk.
+   ``write_through_selective``: what ``AdmitReturning`` expects to come back — pages seen
+   before, and the whole of a request that continues an earlier one) and the host backs its
+   new pages up to the disk.
 
 The request's path is locked on a tier while that tier allocates, so a request never evicts its
-own prefix. Evictions count through the index's ``on_evict`` hook. Main thread.
+own prefix. A request that carries a cache hint has its device path hinted through the same
+``HintBook`` the live cache uses (trace time as its clock; ``hint_share`` bounds a tenant).
+Evictions count through the index's ``on_evict`` hook. Main thread.
 """
 
 from __future__ import annotations
@@ -29,11 +32,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvtier.controller.hints import HintBook
 from kvtier.errors import ConfigError
 from kvtier.index.eviction import (
     AdmissionPolicy,
     AdmitAll,
-    AdmitOnSecondHit,
+    AdmitReturning,
     EvictionPolicy,
     make_eviction_policy,
 )
@@ -43,8 +47,11 @@ from kvtier.replay.timing import TimedPolicy, proxy_cost_ns
 from kvtier.replay.trace import Trace, TraceRequest
 
 REPLAY_TIERS: tuple[str, ...] = ("device", "host", "disk")
-WRITE_POLICIES: dict[str, type[AdmissionPolicy]] = {
-    "write_through": AdmitAll, "write_through_selective": AdmitOnSecondHit}
+#: write policy -> admission, given the lower tiers' capacity in pages (what a seen-page memory
+#: needs to cover: a page seen longer ago than the lower tiers could hold it is not served).
+WRITE_POLICIES: dict[str, Callable[[int], AdmissionPolicy]] = {
+    "write_through": lambda pages: AdmitAll(),
+    "write_through_selective": lambda pages: AdmitReturning(max(pages, 1))}
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,7 @@ class ReplayConfig:
     policy: str = "lru"
     write_policy: str = "write_through"
     block_tokens: int = 512
+    hint_share: float = 0.25
 
     def __post_init__(self) -> None:
         if self.device_tokens < self.block_tokens:
@@ -66,6 +74,8 @@ class ReplayConfig:
             raise ConfigError("tier tokens", (self.host_tokens, self.disk_tokens), ">= 0")
         if self.write_policy not in WRITE_POLICIES:
             raise ConfigError("write_policy", self.write_policy, ", ".join(WRITE_POLICIES))
+        if not 0.0 <= self.hint_share <= 1.0:
+            raise ConfigError("hint_share", self.hint_share, "a share within [0, 1]")
 
     def pages(self, tier: str) -> int:
         return getattr(self, f"{tier}_tokens") // self.block_tokens
@@ -89,6 +99,7 @@ class ReplayResult:
     written_pages: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REPLAY_TIERS, 0))
     promoted_pages: dict[str, int] = field(default_factory=dict)
     uncached_requests: int = 0
+    hints: dict[str, int] = field(default_factory=dict)
     elapsed_s: float = 0.0
     policy_timing: dict[str, Any] | None = None
     #: per request: (input tokens, tokens served by the device, by the host, by the disk)
@@ -118,7 +129,8 @@ class _Replayer:
         self.config = config
         self.tiers = config.tiers()
         self.result = ReplayResult(config)
-        self.admission = WRITE_POLICIES[config.write_policy]()
+        self.admission = WRITE_POLICIES[config.write_policy](
+            config.pages("host") + config.pages("disk"))
         make = policy_factory or (lambda: make_eviction_policy(config.policy))
         self.policies: dict[str, EvictionPolicy] = {t: make() for t in self.tiers}
         if timed:
@@ -126,6 +138,10 @@ class _Replayer:
         self.index = RadixIndex(1, capacities={t: config.pages(t) for t in self.tiers},
                                 policies=self.policies, on_evict=self._evicted)
         self.promoted = self.result.promoted_pages
+        self.hints = HintBook(self.index, config.hint_share, self._count_hint)
+
+    def _count_hint(self, name: str, n: int) -> None:
+        self.result.hints[name] = self.result.hints.get(name, 0) + n
 
     def _evicted(self, node: Node, tier: str) -> None:
         self.result.evicted_pages[tier] += node.pages
@@ -148,7 +164,15 @@ class _Replayer:
             self.result.uncached_requests += 1
         if reach:
             self.index.touch(self.index.match(data[:4 * reach]))
+        self._hint(request, data, len(request.blocks) - d)
         self._write_down(data)
+
+    def _hint(self, request: TraceRequest, data: bytes, new_pages: int) -> None:
+        now = request.timestamp_ms / 1000.0
+        self.hints.observe(max(new_pages, 0), now)
+        if request.hint is not None:
+            path = [node for node, _ in self.index.match(data).path]
+            self.hints.apply(path, request.hint, request.tenant.encode(), now)
 
     @staticmethod
     def _bump(counter: dict[str, int], key: str, pages: int) -> None:
@@ -191,24 +215,13 @@ class _Replayer:
         if "host" not in self.tiers:
             return
         match = self.index.match(data)
-        admitted = self._admitted_pages(match)
+        admitted = self.admission.admitted_pages(match.path, match.depth_of("device"))
         written = self.result.written_pages
         written["host"] += self._put(data, match, "host", match.depth_of("host"), admitted)
         if "disk" in self.tiers:
             match = self.index.match(data)
             written["disk"] += self._put(data, match, "disk", match.depth_of("disk"),
                                          match.depth_of("host"))
-
-    def _admitted_pages(self, match: Any) -> int:
-        """Pages from the root that the admission policy lets down to the host (stops at the
-        first refusal: a lower tier holds a prefix contiguous from the root)."""
-        device = match.depth_of("device")
-        pos = 0
-        for node, used in match.path:
-            if pos + used > device or not self.admission.admit(node, node.hits):
-                break
-            pos += used
-        return min(pos, device)
 
 
 def replay(trace: Trace, config: ReplayConfig, *, timed: bool = False,

@@ -26,7 +26,7 @@ from kvtier.replay.simulator import ReplayConfig, ReplayResult, replay
 from kvtier.replay.timing import RecordingPolicy, time_calls
 from kvtier.replay.trace import Trace
 
-POLICIES: tuple[str, ...] = ("lru", "lrfu", "reuse", "retention")
+POLICIES: tuple[str, ...] = ("lru", "lrfu", "reuse", "retention", "shadow")
 CURVE_TOKENS: tuple[int, ...] = (500_000, 1_000_000, 2_000_000, 3_000_000, 5_000_000,
                                  10_000_000, 20_000_000)
 HALF_TOKENS: tuple[int, ...] = (1_000_000, 3_000_000, 10_000_000)
@@ -35,6 +35,10 @@ PUBLISHED_LRU: dict[int, float] = {1_000_000: 0.054, 3_000_000: 0.138, 10_000_00
 SYNTHETIC_FRACTIONS: tuple[float, ...] = (0.02, 0.05, 0.1, 0.2)
 TIER_CONFIGS: tuple[tuple[int, int, int], ...] = ((500_000, 1_000_000, 10_000_000),
                                                    (1_000_000, 3_000_000, 20_000_000))
+#: device + host + disk as shares of a synthetic workload's unique blocks (the first
+#: conversation configuration's proportions: 1 : 2 : 20).
+SYNTHETIC_TIERS: tuple[float, float, float] = (0.01, 0.02, 0.2)
+WRITE_POLICIES: tuple[str, ...] = ("write_through", "write_through_selective")
 
 Progress = Callable[[Trace, str], Any]
 
@@ -62,22 +66,29 @@ def capacity_curve(trace: Trace, capacities: Sequence[int], bar: Progress,
 
 
 def synthetic_curves(bar: Progress, shape: synthetic.Shape) -> dict[str, Any]:
-    """The capacity curve on each synthetic workload, capacities as shares of its blocks."""
+    """The capacity curve on each synthetic workload, capacities as shares of its blocks, and
+    both write policies on a device + host + disk hierarchy of the same scale."""
     out: dict[str, Any] = {}
     for name in synthetic.GENERATORS:
         trace = synthetic.make(name, shape)
         blocks = trace.unique_blocks()
         tokens = [max(int(blocks * f), 1) * trace.block_tokens for f in SYNTHETIC_FRACTIONS]
-        out[name] = {"trace": trace.summary(), "curve": capacity_curve(trace, tokens, bar)}
+        tiers = tuple(max(int(blocks * f), 2) * trace.block_tokens for f in SYNTHETIC_TIERS)
+        runs = tier_runs(trace, bar, (tiers,), ("lru", "shadow"))
+        out[name] = {"trace": trace.summary(), "curve": capacity_curve(trace, tokens, bar),
+                     "tiers": [r.to_dict() | {"disk_write_bytes_per_s": write_rates(r, trace)}
+                               for r in runs]}
     return out
 
 
-def tier_runs(trace: Trace, bar: Progress) -> list[ReplayResult]:
+def tier_runs(trace: Trace, bar: Progress,
+              configs: Sequence[tuple[int, int, int]] = TIER_CONFIGS,
+              policies: Sequence[str] = POLICIES) -> list[ReplayResult]:
     """Each policy and write policy on each device + host + disk configuration."""
     results = []
-    for device, host, disk in TIER_CONFIGS:
-        for write_policy in ("write_through", "write_through_selective"):
-            for policy in POLICIES:
+    for device, host, disk in configs:
+        for write_policy in WRITE_POLICIES:
+            for policy in policies:
                 config = ReplayConfig(device, host, disk, policy, write_policy,
                                       trace.block_tokens)
                 with bar(trace, config.label()) as b:

@@ -10,6 +10,16 @@ Owns four generators, each seeded and deterministic:
   appending a tool result.
 - ``scan``: a Zipf-popular hot set of long prefixes under a steady stream of one-off long
   documents that are never seen again (the pattern that flushes an LRU cache).
+- ``multiturn``: prefix-chained conversations whose chance to continue falls with each turn
+  (most come back once, quickly; few come back twice), so a page that returned is *less*
+  likely to return again than a fresh one — the opposite of ``chat``, and the shape that
+  punishes a policy which protects returned pages.
+- ``short``: many short sessions (one or two turns) with quick replies under one system prompt.
+- ``system``: a few long shared system prompts (Zipf) under one-shot user messages, a third of
+  which ask one follow-up.
+- ``hinted``: a few long documents asked about every ``reuse_s`` with a cache hint
+  (``prompt_cache_retention: in_memory``), under a flood of one-off prompts that fills the
+  cache many times between two uses: the workload that shows what hints are for.
 
 Content is modelled as segments (an id and a token length); a block's id names its exact content
 (which segments and offsets it covers) and its parent block, so ids form prefix chains as in a
@@ -23,6 +33,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvtier.hints import CacheHint, openai_hint
 from kvtier.replay.trace import Trace, TraceRequest
 
 Segment = tuple[int, int]  # (segment id, tokens)
@@ -98,9 +109,10 @@ def _bisect(values: list[float], x: float) -> int:
     return lo
 
 
-def _request(namer: BlockNamer, t_s: float, segments: list[Segment], output: int) -> TraceRequest:
+def _request(namer: BlockNamer, t_s: float, segments: list[Segment], output: int,
+             hint: CacheHint | None = None) -> TraceRequest:
     return TraceRequest(int(t_s * 1000), sum(n for _, n in segments), output,
-                        namer.blocks(segments))
+                        namer.blocks(segments), hint)
 
 
 def _finish(name: str, shape: Shape, requests: list[TraceRequest]) -> Trace:
@@ -126,7 +138,8 @@ def _sessions(shape: Shape, name: str, prompts: list[Segment], pick_prompt: Call
     return _finish(name, shape, requests)
 
 
-def chat(shape: Shape = Shape(), p_continue: float = 0.55, think_s: float = 90.0) -> Trace:
+def chat(shape: Shape = Shape(), p_continue: float = 0.55, think_s: float = 90.0,
+         name: str = "synthetic-chat") -> Trace:
     rng, namer = random.Random(shape.seed), BlockNamer(shape.block_tokens)
     prompts = [namer.segment(rng.choice((600, 1200, 2500))) for _ in range(8)]
     pick = _zipf_picker(rng, len(prompts), 1.0)
@@ -135,7 +148,7 @@ def chat(shape: Shape = Shape(), p_continue: float = 0.55, think_s: float = 90.0
         return (int(_lognormal(rng, 350)), int(_lognormal(rng, 250, 1.2)),
                 _lognormal(rng, think_s, 1.0))
 
-    return _sessions(shape, "synthetic-chat", prompts, pick, rng, namer, step, p_continue, 3000)
+    return _sessions(shape, name, prompts, pick, rng, namer, step, p_continue, 3000)
 
 
 def agent(shape: Shape = Shape(), p_continue: float = 0.93, step_s: float = 6.0) -> Trace:
@@ -177,8 +190,70 @@ def scan(shape: Shape = Shape(), hot: int = 300, zipf_s: float = 1.1,
     return _finish("synthetic-scan", shape, requests)
 
 
+def multiturn(shape: Shape = Shape(), p_first: float = 0.85, fading: float = 0.45,
+              think_s: float = 40.0) -> Trace:
+    """Continue after turn ``k`` (1-based) with probability ``p_first * fading ** (k - 1)``."""
+    rng, namer = random.Random(shape.seed + 4), BlockNamer(shape.block_tokens)
+    system = namer.segment(700)
+    requests: list[TraceRequest] = []
+    while len(requests) < shape.requests * 1.2:
+        t = rng.uniform(0.0, shape.duration_s)
+        context = [system, namer.segment(_lognormal(rng, 2500))]
+        turn = 1
+        while t < shape.duration_s:
+            answer = int(_lognormal(rng, 400))
+            requests.append(_request(namer, t, context, answer))
+            if rng.random() > p_first * fading ** (turn - 1):
+                break
+            context = [*context, namer.segment(answer), namer.segment(_lognormal(rng, 300))]
+            t += _lognormal(rng, think_s * turn, 0.8)
+            turn += 1
+    return _finish("synthetic-multiturn", shape, requests)
+
+
+def short(shape: Shape = Shape()) -> Trace:
+    """Many one- or two-turn sessions with quick replies (``chat`` with little continuation)."""
+    return chat(shape, p_continue=0.25, think_s=20.0, name="synthetic-short")
+
+
+def system(shape: Shape = Shape(), prompts: int = 24, zipf_s: float = 1.0,
+           p_follow: float = 0.33) -> Trace:
+    rng, namer = random.Random(shape.seed + 5), BlockNamer(shape.block_tokens)
+    heads = [namer.segment(_lognormal(rng, 3000, 0.5)) for _ in range(prompts)]
+    pick = _zipf_picker(rng, prompts, zipf_s)
+    requests = []
+    for t in sorted(rng.uniform(0.0, shape.duration_s) for _ in range(shape.requests)):
+        context = [heads[pick()], namer.segment(_lognormal(rng, 200))]
+        answer = int(_lognormal(rng, 250))
+        requests.append(_request(namer, t, context, answer))
+        if rng.random() < p_follow:
+            follow = [*context, namer.segment(answer), namer.segment(_lognormal(rng, 150))]
+            requests.append(_request(namer, t + _lognormal(rng, 60.0), follow, answer))
+    return _finish("synthetic-system", shape, requests)
+
+
+def hinted(shape: Shape = Shape(), documents: int = 4, reuse_s: float = 90.0,
+           hints: bool = True) -> Trace:
+    """``documents`` of 6k tokens, each asked about every ``reuse_s`` (hinted when ``hints``),
+    and one-off prompts of ~4k tokens for the rest of the requests."""
+    rng, namer = random.Random(shape.seed + 6), BlockNamer(shape.block_tokens)
+    docs = [namer.segment(6000) for _ in range(documents)]
+    requests = []
+    for i, doc in enumerate(docs):
+        hint = openai_hint(f"doc-{i}", "in_memory") if hints else None
+        t = rng.uniform(0.0, reuse_s)
+        while t < shape.duration_s:
+            requests.append(_request(namer, t, [doc, namer.segment(100)], 200, hint))
+            t += reuse_s
+    while len(requests) < shape.requests:
+        requests.append(_request(namer, rng.uniform(0.0, shape.duration_s),
+                                 [namer.segment(_lognormal(rng, 4000, 0.4))], 200))
+    return _finish("synthetic-hinted" if hints else "synthetic-unhinted", shape, requests)
+
+
 GENERATORS: dict[str, Callable[[Shape], Trace]] = {
-    "chat": chat, "agent": agent, "rag": rag, "scan": scan}
+    "chat": chat, "agent": agent, "rag": rag, "scan": scan, "multiturn": multiturn,
+    "short": short, "system": system}
 
 
 def make(name: str, shape: Shape = Shape()) -> Trace:

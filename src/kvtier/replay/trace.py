@@ -4,7 +4,9 @@ Owns ``TraceRequest`` and ``Trace`` and the JSON-lines format they are read from
 (the Mooncake trace format): one object per line with ``timestamp`` (ms), ``input_length`` and
 ``output_length`` (tokens) and ``hash_ids`` (one id per ``block_tokens`` block of the input; equal
 ids mean equal content, and an id depends on everything before it, so the ids of a request form
-a prefix chain). Requests come back in timestamp order (stable for equal timestamps). Pure
+a prefix chain). Optional per-request cache hints use the API's own fields
+(``prompt_cache_key``, ``prompt_cache_retention``, ``cache_control``; see ``kvtier.hints``),
+with an optional ``tenant`` string. Requests come back in timestamp order (stable for equal timestamps). Pure
 Python; the main thread of ``kvtier bench replay`` runs it.
 """
 
@@ -17,6 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.errors import ConfigError
+from kvtier.hints import (
+    ANTHROPIC_TTL,
+    OPENAI_RETENTION,
+    CacheHint,
+    HintError,
+    cache_control_hint,
+    openai_hint,
+    strongest,
+)
 
 #: Tokens per block of the published Mooncake traces.
 DEFAULT_BLOCK_TOKENS = 512
@@ -30,6 +41,8 @@ class TraceRequest:
     input_tokens: int
     output_tokens: int
     blocks: tuple[int, ...]
+    hint: CacheHint | None = None
+    tenant: str = ""
 
     def block_bytes(self) -> bytes:
         """The block ids as uint32 little-endian bytes: one index page per block."""
@@ -41,8 +54,27 @@ class TraceRequest:
         return min(blocks_hit * block_tokens, self.input_tokens)
 
     def to_json(self) -> str:
-        return json.dumps({"timestamp": self.timestamp_ms, "input_length": self.input_tokens,
-                           "output_length": self.output_tokens, "hash_ids": list(self.blocks)})
+        obj: dict[str, object] = {"timestamp": self.timestamp_ms,
+                                  "input_length": self.input_tokens,
+                                  "output_length": self.output_tokens,
+                                  "hash_ids": list(self.blocks)}
+        if self.hint is not None:
+            obj |= _hint_fields(self.hint)
+        if self.tenant:
+            obj["tenant"] = self.tenant
+        return json.dumps(obj)
+
+
+def _hint_fields(hint: CacheHint) -> dict[str, object]:
+    """The API fields that parse back to ``hint``."""
+    if hint.source == "cache_control":
+        ttl = next(k for k, v in ANTHROPIC_TTL.items() if v == hint.retention_s)
+        return {"cache_control": {"type": "ephemeral", "ttl": ttl}}
+    out: dict[str, object] = {"prompt_cache_retention": next(
+        k for k, v in OPENAI_RETENTION.items() if v == hint.retention_s)}
+    if hint.key:
+        out["prompt_cache_key"] = hint.key
+    return out
 
 
 @dataclass(frozen=True)
@@ -108,8 +140,14 @@ def _parse(line: str, where: str) -> TraceRequest:
     try:
         obj = json.loads(line)
         blocks = tuple(int(b) for b in obj["hash_ids"])
+        hint = strongest((openai_hint(obj.get("prompt_cache_key"),
+                                      obj.get("prompt_cache_retention")),
+                          cache_control_hint(obj.get("cache_control"))))
         request = TraceRequest(int(obj["timestamp"]), int(obj["input_length"]),
-                               int(obj.get("output_length", 0)), blocks)
+                               int(obj.get("output_length", 0)), blocks, hint,
+                               str(obj.get("tenant", "")))
+    except HintError as exc:
+        raise ConfigError("trace", where, f"valid cache hints ({exc})") from None
     except (ValueError, KeyError, TypeError) as exc:
         raise ConfigError("trace", where, "a JSON object with timestamp, input_length and "
                           f"hash_ids ({type(exc).__name__}: {exc})") from None

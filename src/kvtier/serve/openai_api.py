@@ -21,6 +21,7 @@ from kvtier.config import KvtierConfig
 from kvtier.engine.request import GenerationRequest
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.text import chat_prompt_ids, encode_prompt
+from kvtier.hints import HintError
 from kvtier.serve.errors import APIError
 from kvtier.serve.generation import Done, stream_text
 from kvtier.serve.schemas import ChatCompletionRequest, CompletionRequest
@@ -66,9 +67,13 @@ class OpenAIRoutes:
                            param="prompt")
         max_new = cap if cap is not None else min(self.config.engine.max_new_tokens, room)
         stops = () if body.ignore_eos else self.service.lm.eos_token_ids
+        try:
+            hint = body.cache_hint()
+        except HintError as exc:
+            raise APIError(400, str(exc), param=exc.field) from None
         return GenerationRequest(
             tuple(prompt_ids), max_new, SamplingParams(body.temperature, body.top_p, body.seed),
-            stops, body.cache_salt, body.tenant, request_id)
+            stops, body.cache_salt, body.tenant, request_id, hint=hint)
 
     async def answer(self, body: Any, request: GenerationRequest, disconnected: Callable[[], Any],
                      shape: Callable[[str, str | None], dict[str, Any]], first: dict[str, Any] | None,

@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from kvtier.hints import CacheHint, cache_control_hint, openai_hint, strongest
+
 MAX_STOPS = 4
 
 
@@ -42,6 +44,18 @@ class _Common(BaseModel):
     cache_salt: str | None = Field(None, min_length=1, max_length=256,
                                    description="kvtier extension: tenant salt for cached prefixes")
     ignore_eos: bool = False
+    prompt_cache_key: Any = Field(None, description="OpenAI: prefix-cache affinity key")
+    prompt_cache_retention: Any = Field(None, description="OpenAI: 'in_memory' or '24h'")
+    cache_control: Any = Field(None, description="Anthropic-style {'type': 'ephemeral', "
+                               "'ttl': '5m' | '1h'} for the whole prompt")
+
+    def cache_hint(self) -> CacheHint | None:
+        """The request's cache hint (kvtier.hints); HintError names a bad field."""
+        return strongest([openai_hint(self.prompt_cache_key, self.prompt_cache_retention),
+                          cache_control_hint(self.cache_control), *self._part_hints()])
+
+    def _part_hints(self) -> list[CacheHint | None]:
+        return []
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -114,12 +128,14 @@ class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow")
     type: str
     text: str | None = None
+    cache_control: Any = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    cache_control: Any = None
 
     def text(self) -> str:
         if self.content is None:
@@ -156,6 +172,16 @@ class ChatCompletionRequest(_Common):
         if self.response_format and self.response_format.get("type", "text") != "text":
             return "response_format: only text output is supported"
         return super().unsupported()
+
+    def _part_hints(self) -> list[CacheHint | None]:
+        """Anthropic-style ``cache_control`` on a message or on one of its content parts."""
+        out = []
+        for i, message in enumerate(self.messages):
+            out.append(cache_control_hint(message.cache_control, f"messages[{i}].cache_control"))
+            for j, part in enumerate(message.content if isinstance(message.content, list) else []):
+                out.append(cache_control_hint(part.cache_control,
+                                              f"messages[{i}].content[{j}].cache_control"))
+        return out
 
     @property
     def token_cap(self) -> int | None:

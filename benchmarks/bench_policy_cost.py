@@ -1,0 +1,95 @@
+"""Eviction policy cost per operation, every policy side by side in one run.
+
+Each policy runs inside a real single-tier replay of the request trace (the index calls it as it
+would in a live cache, so nodes carry their real state at every call), wrapped in
+``TimedPolicy``: wall time per method (``add``, ``remove``, ``touch``, ``pop_victim``,
+``forget``) less the wrapper's own cost, measured once with an empty policy. The replays of one
+round run back to back in a rotating order, and each policy keeps its best round (a shared
+machine's noise only ever adds time). Reports microseconds per call, per request, and the
+ratio to LRU measured in the same round (steadier than absolute times on a busy machine).
+
+Run: ``python benchmarks/bench_policy_cost.py [--trace FILE] [--tokens 3M] [--rounds 3]
+[--json out.json]``. Main thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from kvtier.config import parse_size
+from kvtier.index.eviction import EVICTION_POLICIES
+from kvtier.machine import format_table, write_report
+from kvtier.replay.simulator import ReplayConfig, replay
+from kvtier.replay.trace import read_trace
+
+METHODS = ("add", "remove", "touch", "pop_victim", "forget")
+
+
+def one_round(trace: Any, tokens: int, policies: list[str]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for policy in policies:
+        result = replay(trace, ReplayConfig(tokens, policy=policy,
+                                            block_tokens=trace.block_tokens), timed=True)
+        timing = (result.policy_timing or {})["device"]
+        out[policy] = {"timing": timing, "requests": result.requests,
+                       "served_share": result.served_share}
+    return out
+
+
+def measure(trace: Any, tokens: int, policies: list[str], rounds: int) -> dict[str, Any]:
+    best: dict[str, dict[str, Any]] = {}
+    for r in range(rounds):
+        order = policies[r % len(policies):] + policies[:r % len(policies)]
+        got = one_round(trace, tokens, order)
+        lru = got["lru"]["timing"]["all"]["us_per_call"] if "lru" in got else None
+        for policy, row in got.items():
+            us = row["timing"]["all"]["us_per_call"]
+            row["ratio_to_lru"] = us / lru if lru else None
+            if policy not in best or us < best[policy]["timing"]["all"]["us_per_call"]:
+                best[policy] = row
+    return best
+
+
+def table(best: dict[str, Any]) -> str:
+    rows = []
+    for policy, row in best.items():
+        t = row["timing"]
+        calls = t["all"]["calls"]
+        rows.append([policy, *(f"{t[m]['us_per_call']:.2f}" for m in METHODS), calls,
+                     f"{t['all']['us_per_call']:.2f}",
+                     f"{t['all']['us_per_call'] * calls / row['requests']:.1f}",
+                     f"{row['ratio_to_lru']:.2f}" if row["ratio_to_lru"] else "-",
+                     f"{100 * row['served_share']:.2f}"])
+    return format_table(["policy", *(f"{m} us" for m in METHODS), "calls", "us/call",
+                         "us/request", "x LRU (same round)", "served %"], rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trace", default="../shared/traces/mooncake_conversation.jsonl")
+    parser.add_argument("--tokens", default="3M", help="single-tier capacity in tokens")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--limit", type=int, default=None, help="first N requests only")
+    parser.add_argument("--policies", default=",".join(EVICTION_POLICIES))
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    tokens = parse_size(args.tokens)
+    if tokens is None:
+        raise SystemExit(f"--tokens: not a token count: {args.tokens!r}")
+    policies = args.policies.split(",")
+    unknown = [p for p in policies if p not in EVICTION_POLICIES]
+    if unknown or "lru" not in policies:
+        raise SystemExit(f"--policies: need lru and known names, got {policies}")
+    trace = read_trace(args.trace, 512, args.limit)
+    best = measure(trace, tokens, policies, args.rounds)
+    text = table(best)
+    print(f"{trace.name}: {len(trace)} requests, single tier {tokens / 1e6:g}M tokens, "
+          f"best of {args.rounds} rounds\n{text}")
+    if args.json:
+        write_report(args.json, "policy_cost", {"trace": trace.summary(), "tokens": tokens,
+                                                "rounds": args.rounds, "policies": best})
+
+
+if __name__ == "__main__":
+    main()
