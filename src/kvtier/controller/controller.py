@@ -21,8 +21,8 @@ from typing import Any
 from kvtier.controller.backups import Backups
 from kvtier.controller.context import CacheContext
 from kvtier.controller.handles import Hit, Loaded
-from kvtier.controller.jobs import PrefetchJob
 from kvtier.controller.hints import HintBook, HintOutcome
+from kvtier.controller.jobs import PrefetchJob
 from kvtier.controller.loadback import LoadBack
 from kvtier.controller.lookup import Lookup
 from kvtier.controller.prefetch import Prefetcher

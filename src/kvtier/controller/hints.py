@@ -124,8 +124,8 @@ class HintBook:
     def _device_pages(self) -> int:
         ledger = self.index.ledgers[TIER_INDEX["device"]]
         if ledger.capacity is not None:
-            return ledger.capacity
-        return ledger.resident + (ledger.free_pages() or 0)
+            return int(ledger.capacity)
+        return int(ledger.resident + (ledger.free_pages() or 0))
 
     def _used(self, book: OrderedDict[Node, tuple[float, int]]) -> int:
         """Hinted pages still held on the device (evicted ones stop counting)."""
