@@ -34,7 +34,7 @@ from kvtier.machine import format_table, machine_info
 
 def _sync() -> None:
     if torch.cuda.is_available():
-        _sync()
+        torch.cuda.synchronize()
 
 
 def _prompts(count: int, length: int, seed: int, vocab: int) -> list[list[int]]:

@@ -28,10 +28,12 @@ def test_kernels_match_fp32_reference(m, n, dtype):
 
 
 def test_a_model_on_split_kv_matches_sdpa():
+    from kvtier.engine import paged
     from kvtier.engine.hf import load_model
 
     lm = load_model("tiny-llama", device="cuda", dtype="bfloat16", attention="kvtier")
-    assert lm.model.config._attn_implementation == "kvtier"
+    # kvtier's attention, wrapped by the batched engine's paged attention (kvtier's outside a step)
+    assert lm.model.config._attn_implementation == f"{paged.NAME}_kvtier"
     vocab = int(lm.config.vocab_size)
     prompt = torch.arange(40, 1100, device="cuda") * 7 % vocab
     results = {}
