@@ -57,9 +57,10 @@ def test_unset_pools_are_sized_to_the_model_on_the_cpu():
     sized = size_pools(config, _tiny_lm(), explicit=set())
     layout = _tiny_lm().kv_layout(config.cache.page_size)
     context = 4096 * layout.bytes_per_token  # the model's positions bound a sequence here
-    assert sized.cache.device_pages * layout.page_bytes == min(4 * context,
+    running = config.engine.max_running
+    assert sized.cache.device_pages * layout.page_bytes == min(running * context,
                                                                CPU_DEVICE_POOL_CAP_BYTES)
-    assert sized.host.pool_bytes == min(8 * context, CPU_HOST_POOL_CAP_BYTES)
+    assert sized.host.pool_bytes == min(2 * running * context, CPU_HOST_POOL_CAP_BYTES)
     assert sized.host.pool_bytes < config.host.pool_bytes
 
 
@@ -67,10 +68,11 @@ def test_pools_the_user_set_are_kept_and_cuda_keeps_its_device_share():
     config = build_config(env={}, flags={"host.pool_bytes": "1GiB"})
     kept = size_pools(config, _tiny_lm(), explicit={"host.pool_bytes", "cache.device_pages"})
     assert kept.host.pool_bytes == 1 << 30 and kept.cache.device_pages == 0
-    small = size_pools(build_config(env={}), _tiny_lm("cuda:0", 32768), explicit=set())
+    defaults = build_config(env={}, flags={"engine.max_running": "4"})
+    small = size_pools(defaults, _tiny_lm("cuda:0", 32768), explicit=set())
     assert small.cache.device_pages == 0
-    assert small.host.pool_bytes == 8 * 32768 * 2048  # 8 full contexts of 2 KiB a token
-    large = size_pools(build_config(env={}), _tiny_lm("cuda:0", 32768, 32), explicit=set())
+    assert small.host.pool_bytes == 8 * 32768 * 2048  # 2 x 4 full contexts of 2 KiB a token
+    large = size_pools(defaults, _tiny_lm("cuda:0", 32768, 32), explicit=set())
     assert large.host.pool_bytes == 2 << 30  # 8 full contexts pass the default cap
 
 
