@@ -112,7 +112,8 @@ def load_model(model: str, *, device: str = "auto", dtype: str = "auto", seed: i
                attention: str = "kvtier") -> CausalLM:
     """Build a preset (random weights from ``seed``) or load a model directory onto ``device``.
     ``attention="kvtier"`` installs ``kvtier.engine.attention`` (split-KV kernels for short
-    suffixes over a long past on CUDA; transformers' sdpa for everything else)."""
+    suffixes over a long past on CUDA; transformers' sdpa for everything else) and, on CUDA,
+    the fused RMSNorm for every forward (the captured hit path runs it: the prefill must too)."""
     source = resolve_model(model)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
@@ -121,8 +122,10 @@ def load_model(model: str, *, device: str = "auto", dtype: str = "auto", seed: i
     _check_supported(hf_model.config)
     if attention == "kvtier" and device.startswith("cuda"):
         from kvtier.engine import attention as split_kv
+        from kvtier.engine import fused
 
         split_kv.install(hf_model)
+        fused.install_norms(hf_model)
     tokenizer = load_tokenizer(source)
     fingerprint = model_fingerprint(hf_model, seed if source.is_preset else None)
     return CausalLM(source.name, hf_model, tokenizer, torch.device(device), dtype, fingerprint,
