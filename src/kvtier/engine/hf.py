@@ -109,11 +109,12 @@ class CausalLM:
 
 
 def load_model(model: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
-               attention: str = "kvtier") -> CausalLM:
+               attention: str = "kvtier", deterministic: bool = False) -> CausalLM:
     """Build a preset (random weights from ``seed``) or load a model directory onto ``device``.
     ``attention="kvtier"`` installs ``kvtier.engine.attention`` (split-KV kernels for short
     suffixes over a long past on CUDA; transformers' sdpa for everything else) and, on CUDA,
-    the fused RMSNorm for every forward (the captured hit path runs it: the prefill must too)."""
+    the fused RMSNorm for every forward (the captured hit path runs it: the prefill must too).
+    ``deterministic`` installs ``kvtier.engine.invariant`` (batch-invariant kernels)."""
     source = resolve_model(model)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
@@ -126,6 +127,10 @@ def load_model(model: str, *, device: str = "auto", dtype: str = "auto", seed: i
 
         split_kv.install(hf_model)
         fused.install_norms(hf_model)
+    if deterministic:
+        from kvtier.engine import invariant
+
+        invariant.install(hf_model, torch.device(device))
     tokenizer = load_tokenizer(source)
     fingerprint = model_fingerprint(hf_model, seed if source.is_preset else None)
     return CausalLM(source.name, hf_model, tokenizer, torch.device(device), dtype, fingerprint,

@@ -41,7 +41,8 @@ class EngineService:
         how a hit is served (``plan``: the planner's load/recompute split)."""
         lm = lm or load_model(config.engine.model, device=config.engine.device,
                               dtype=config.engine.dtype, seed=config.engine.seed,
-                              attention=config.engine.attention)
+                              attention=config.engine.attention,
+                              deterministic=config.engine.deterministic)
         prefix_cache = None
         if config.cache.enabled:
             from kvtier.engine.prefix import PrefixCache
