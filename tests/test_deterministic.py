@@ -3,7 +3,10 @@ batch-invariant matmul gives a row the same bits whatever rows share its forward
 the tiered cache a device or host hit of any length gives last-position logits bit-identical to
 a recompute, on Llama (GQA 2:1, head_dim 64), Qwen2 (q/k/v biases, 7:1) and Mistral-style
 (head_dim 128) models in fp32 and bf16, at page sizes 16 and 64. A CPU without the interpreter
-is refused, naming the setting."""
+is refused, naming the setting. (This CPU's own torch kernels happen to give these shapes
+bit-identical hits too; the kernels' invariance is shown on its own in
+tests/test_attention_numerics.py and here for the matmul, and on CUDA, where cuBLAS and flash
+attention are not invariant, by tests/test_parity_gpu.py.)"""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-from kvtier.engine import invariant
+from kvtier.engine import attention, fused, invariant
 from kvtier.engine.hf import CausalLM, load_tokenizer
 from kvtier.engine.prefix import PrefixCache
 from kvtier.engine.presets import resolve_model
@@ -34,17 +37,25 @@ ARCHS = {
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def deterministic_lm(arch: str, dtype: str, seed: int = 0) -> CausalLM:
+def deterministic_lm(arch: str, dtype: str, seed: int = 0, *, device: str = "cpu",
+                     deterministic: bool = True) -> CausalLM:
+    """A random-weight ``arch`` model set up as ``hf.load_model`` sets it up."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(ARCHS[arch](), dtype=DTYPES[dtype],
-                                             attn_implementation="sdpa").eval()
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(ARCHS[arch](), dtype=DTYPES[dtype],
+                                                 attn_implementation="sdpa").eval()
     with torch.no_grad():   # random biases, so that Qwen2's are not all zero
         for name, param in model.named_parameters():
             if name.endswith("bias"):
                 param.normal_(0.0, 0.5)
-    invariant.install(model, torch.device("cpu"))
+    if device == "cuda":
+        attention.install(model)
+        fused.install_norms(model)
+    if deterministic:
+        invariant.install(model, torch.device(device))
     return CausalLM(f"det-{arch}", model, load_tokenizer(resolve_model("tiny-llama")),
-                    torch.device("cpu"), dtype, f"det-{arch}-{dtype}-{seed}", (), "cache")
+                    torch.device(device), dtype, f"det-{arch}-{dtype}-{seed}-{deterministic}", (),
+                    "cache")
 
 
 def _tokens(n: int, seed: int) -> list[int]:
