@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 
 from kvtier.config import build_config
 from kvtier.engine import attention, fused, invariant
-from kvtier.engine.hf import DTYPES, CausalLM, load_tokenizer
+from kvtier.engine.hf import DTYPES, CausalLM, _cache_arg, load_tokenizer
 from kvtier.engine.prefix import PrefixCache
 from kvtier.engine.presets import resolve_model
 from kvtier.engine.request import PrefillReport
@@ -64,7 +64,7 @@ def build_lm(arch: str, dtype: str, mode: str, device: str, hidden: int, layers:
     if mode == "deterministic":
         invariant.install(model, torch.device(device))
     return CausalLM(f"parity-{arch}", model, load_tokenizer(resolve_model("tiny-llama")),
-                    torch.device(device), dtype, f"parity-{arch}-{dtype}-{mode}", (), "cache")
+                    torch.device(device), dtype, f"parity-{arch}-{dtype}-{mode}", (), _cache_arg(model))
 
 
 Run = tuple[list[int], list[torch.Tensor]]   # greedy tokens, the logits of each step

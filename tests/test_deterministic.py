@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from kvtier.engine import attention, fused, invariant
-from kvtier.engine.hf import CausalLM, load_tokenizer
+from kvtier.engine.hf import CausalLM, _cache_arg, load_tokenizer
 from kvtier.engine.prefix import PrefixCache
 from kvtier.engine.presets import resolve_model
 from kvtier.engine.request import PrefillReport
@@ -55,7 +55,7 @@ def deterministic_lm(arch: str, dtype: str, seed: int = 0, *, device: str = "cpu
         invariant.install(model, torch.device(device))
     return CausalLM(f"det-{arch}", model, load_tokenizer(resolve_model("tiny-llama")),
                     torch.device(device), dtype, f"det-{arch}-{dtype}-{seed}-{deterministic}", (),
-                    "cache")
+                    _cache_arg(model))
 
 
 def _tokens(n: int, seed: int) -> list[int]:
