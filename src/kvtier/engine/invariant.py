@@ -41,7 +41,7 @@ PARTIAL_BYTES = 256 << 20
 TILE_M, TILE_N, TILE_K = 64, 64, 64
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])   # one compiled kernel for every row count
 def _matmul_kernel(x_ptr, w_ptr, b_ptr, out_ptr, n_rows, n_cols, inner, sx_m, sw_n, so_m,
                    HAS_BIAS: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr,
                    TILE_K: tl.constexpr, INTERPRET: tl.constexpr):
