@@ -11,9 +11,9 @@ of prompts whose ``--new-tokens`` greedy tokens are identical, the max and mean 
 the steps up to the first divergence, the first divergent position, and ``identical`` (every
 prompt's tokens equal) and ``bit_identical`` (every logit equal).
 
-CPU (the deterministic mode needs ``TRITON_INTERPRET=1`` there and is slow: keep it small):
-``TRITON_INTERPRET=1 PYTHONPATH=src python benchmarks/parity.py --prompts 3 --out
-benchmarks/results/parity_cpu.json``. H200: see README ("Numerics"). Main thread.
+On the CPU the deterministic mode needs ``TRITON_INTERPRET=1`` and is slow (keep it small);
+the commands of the committed runs (``benchmarks/results/parity_cpu*``) and of the H200 run
+are in README ("Numerics"). The text tables there are this script's stdout. Main thread.
 """
 
 from __future__ import annotations
