@@ -47,6 +47,9 @@ class EngineConfig:
                             "serves after a cache hit; its static KV takes this many tokens of "
                             "device memory (1 GiB for an 8B model at 8192). 0: no graphs. CUDA "
                             "with the kvtier attention only.", minimum=0)
+    deterministic: bool = opt(False, "Batch-invariant kernels in every forward (matmuls, norms, "
+                              "attention in fixed 256-key slices): a hit's logits are "
+                              "bit-identical to a recompute's. CUDA (or the Triton interpreter).")
     max_new_tokens: int = opt(256, "Default cap on generated tokens per request.", minimum=1)
     max_running: int = opt(16, "Sequences generated at once, in one forward per step; others "
                            "wait in the fair queue.", minimum=1, alias="--max-running")

@@ -121,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
         plan = _plan(args, config, scratch)
         lm = load_model(config.engine.model, device=config.engine.device,
                         dtype=config.engine.dtype, seed=config.engine.seed,
-                        attention=config.engine.attention)
+                        attention=config.engine.attention,
+                        deterministic=config.engine.deterministic)
         bench = TtftRun(config, lm, plan)
         bar = _progress(bench.steps(), not args.no_progress)
         if bar is not None:

@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvtier.engine.rounding import INTERPRET, dot, round_to
 from kvtier.transfer.kernels import multiprocessor_count
 
 NAME = "kvtier"
@@ -42,6 +43,11 @@ NAME = "kvtier"
 MAX_QUERY_TOKENS = 128
 MAX_SPLITS = 128
 BLOCK_N = 64
+#: Query rows a program in the deterministic mode, whatever the call (the tile shape decides
+#: the order of the products' sums on the GPU).
+DETERMINISTIC_BLOCK_M = 64
+#: Query rows an in-order merge program folds at once (each row alone, element-wise).
+MERGE_ROWS = 32
 
 
 #: Sizes that change per call are not specialized on: one compile serves every length.
@@ -70,12 +76,15 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, past_ptr,
                     sq_h, sq_m, sk_h, sk_n, sv_h, sv_n,
                     n_queries, n_keys, n_rep, chunk, n_splits, scale_log2,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    PAST_ON_DEVICE: tl.constexpr):
+                    PAST_ON_DEVICE: tl.constexpr, FIXED_CHUNK: tl.constexpr,
+                    INTERPRET: tl.constexpr):
     """One KV head, one slice of the past, ``BLOCK_M`` query rows (query head, position).
-    ``PAST_ON_DEVICE``: ``n_keys`` is ``*past_ptr + n_queries`` and the slices are cut here."""
+    ``PAST_ON_DEVICE``: ``n_keys`` is ``*past_ptr + n_queries``; the slices are cut here unless
+    ``FIXED_CHUNK`` (then slice ``s`` is keys ``s * chunk ..`` whatever the length)."""
     if PAST_ON_DEVICE:
         n_keys = tl.load(past_ptr).to(tl.int32) + n_queries
-        chunk = tl.cdiv(tl.cdiv(n_keys, n_splits), BLOCK_N) * BLOCK_N
+        if not FIXED_CHUNK:
+            chunk = tl.cdiv(tl.cdiv(n_keys, n_splits), BLOCK_N) * BLOCK_N
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
     rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -87,7 +96,8 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, past_ptr,
                 mask=row_ok[:, None], other=0.0)
     last_visible = n_keys - n_queries + q_pos
     start = split * chunk
-    end = tl.minimum(start + chunk, n_keys)
+    # blocks past every row's last visible key would change nothing: skip them
+    end = tl.minimum(start + chunk, tl.minimum(n_keys, tl.max(last_visible, 0) + 1))
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -96,7 +106,7 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, past_ptr,
         col_ok = cols < end
         k = tl.load(k_ptr + kv_head * sk_h + cols[:, None] * sk_n + dims[None, :],
                     mask=col_ok[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k)) * scale_log2
+        scores = dot(q, tl.trans(k), INTERPRET) * scale_log2
         visible = col_ok[None, :] & (cols[None, :] <= last_visible[:, None])
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -106,7 +116,10 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, past_ptr,
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + kv_head * sv_h + cols[:, None] * sv_n + dims[None, :],
                     mask=col_ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        if INTERPRET:  # the probabilities meet the values in their dtype, as on the GPU
+            acc = acc * alpha[:, None] + dot(round_to(p, v.dtype), v, INTERPRET)
+        else:
+            acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, INTERPRET)
         m_i = m_new
     out_row = q_head * n_queries + q_pos
     has = l_i > 0.0
@@ -133,7 +146,37 @@ def _merge_kernel(part_ptr, lse_ptr, out_ptr, so_m, so_h, n_queries, n_splits,
     parts = tl.load(part_ptr + (row * n_splits + splits[:, None]) * HEAD_DIM + dims[None, :],
                     mask=split_ok[:, None], other=0.0)
     out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
-    tl.store(out_ptr + q_pos * so_m + q_head * so_h + dims, out.to(out_ptr.dtype.element_ty))
+    out_ty = out_ptr.dtype.element_ty
+    tl.store(out_ptr + q_pos * so_m + q_head * so_h + dims, round_to(out, out_ty).to(out_ty))
+
+
+@triton.jit(do_not_specialize=["n_rows", "n_queries", "n_splits"])
+def _merge_in_order_kernel(part_ptr, lse_ptr, out_ptr, so_m, so_h, n_rows, n_queries, n_splits,
+                           HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
+    """``ROWS`` query rows: fold the slices in in order, as an online softmax over slices.
+    Empty slices (log-sum-exp -inf) change nothing, so a row's result depends only on its
+    own slices, not on how many the launch had or which rows share the program."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < n_rows
+    dims = tl.arange(0, HEAD_DIM)
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    total = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    for split in range(0, n_splits):
+        lse = tl.load(lse_ptr + rows * n_splits + split, mask=row_ok, other=float("-inf"))
+        part = tl.load(part_ptr + (rows[:, None] * n_splits + split) * HEAD_DIM + dims[None, :],
+                       mask=row_ok[:, None], other=0.0)
+        m_new = tl.maximum(m, lse)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        old = tl.exp2(m - m_safe)
+        new = tl.exp2(lse - m_safe)
+        total = total * old + new
+        acc = acc * old[:, None] + part * new[:, None]
+        m = m_new
+    out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
+    out_ty = out_ptr.dtype.element_ty
+    where = out_ptr + (rows % n_queries)[:, None] * so_m + (rows // n_queries)[:, None] * so_h
+    tl.store(where + dims[None, :], round_to(out, out_ty).to(out_ty), mask=row_ok[:, None])
 
 
 def _splits(kv_heads: int, row_blocks: int, n_keys: int, device: torch.device) -> int:
@@ -143,15 +186,11 @@ def _splits(kv_heads: int, row_blocks: int, n_keys: int, device: torch.device) -
     return max(1, min(wanted, MAX_SPLITS, -(-n_keys // BLOCK_N)))
 
 
-def split_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                       scaling: float | None = None, splits: int | None = None,
-                       past: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of ``query`` ``[1, heads, M, dim]`` over ``key``/``value``
-    ``[1, kv_heads, N, dim]`` (N >= M, the new tokens last, any token and head strides with a
-    contiguous last dim). Returns ``[1, M, heads, dim]`` (transformers' attention output).
-    With ``past`` (a device tensor, read when the kernels run) only the first ``past + M``
-    positions of the keys and values count: the new tokens are those at ``past ..``; nothing
-    is read from the host, so the launch can be captured in a CUDA graph."""
+def _ceil(numerator: int, denominator: int) -> int:
+    return -(-numerator // denominator)
+
+
+def _check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
     _, heads, n_queries, dim = query.shape
     kv_heads, n_keys = key.shape[1], key.shape[2]
     if query.shape[0] != 1 or key.shape[0] != 1 or heads % kv_heads or n_keys < n_queries:
@@ -162,29 +201,57 @@ def split_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     for tensor in (query, key, value):
         if tensor.stride(-1) != 1:
             raise ValueError("the last dimension of query, key and value must be contiguous")
-    n_rep = heads // kv_heads
-    rows = n_rep * n_queries
-    block_m = min(64, max(16, triton.next_power_of_2(rows)))
-    row_blocks = -(-rows // block_m)
-    n_splits = min(splits or _splits(kv_heads, row_blocks, n_keys, query.device), MAX_SPLITS)
-    chunk = -(-n_keys // n_splits)
-    chunk = -(-chunk // BLOCK_N) * BLOCK_N
-    if past is None:  # on the device the slices are cut from the real length, empty ones skip
-        n_splits = -(-n_keys // chunk)
+
+
+def split_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       scaling: float | None = None, splits: int | None = None,
+                       past: torch.Tensor | None = None,
+                       split_tokens: int | None = None) -> torch.Tensor:
+    """Causal attention of ``query`` ``[1, heads, M, dim]`` over ``key``/``value``
+    ``[1, kv_heads, N, dim]`` (N >= M, the new tokens last, any token and head strides with a
+    contiguous last dim). Returns ``[1, M, heads, dim]`` (transformers' attention output).
+    With ``past`` (a device tensor, read when the kernels run) only the first ``past + M``
+    positions of the keys and values count: the new tokens are those at ``past ..``; nothing
+    is read from the host, so the launch can be captured in a CUDA graph.
+    ``split_tokens`` (a multiple of ``BLOCK_N``): slices of that many keys from position 0,
+    ``DETERMINISTIC_BLOCK_M`` query rows a program and an in-order merge, so that a query's
+    result does not depend on the other queries, the length of the past or the launch."""
+    _check(query, key, value)
+    _, heads, n_queries, dim = query.shape
+    kv_heads, n_keys = key.shape[1], key.shape[2]
+    rows = heads // kv_heads * n_queries
+    if split_tokens is not None:
+        if split_tokens <= 0 or split_tokens % BLOCK_N:
+            raise ValueError(f"split_tokens must be a positive multiple of {BLOCK_N}")
+        block_m, chunk = DETERMINISTIC_BLOCK_M, split_tokens
+        n_splits = _ceil(n_keys, chunk)
+    else:
+        block_m = min(64, max(16, triton.next_power_of_2(rows)))
+        n_splits = min(splits or _splits(kv_heads, -(-rows // block_m), n_keys, query.device),
+                       MAX_SPLITS)
+        chunk = _ceil(_ceil(n_keys, n_splits), BLOCK_N) * BLOCK_N
+        if past is None:  # on the device the slices are cut from the real length
+            n_splits = _ceil(n_keys, chunk)
     scale = scaling if scaling is not None else 1.0 / math.sqrt(dim)
     partial = torch.empty((heads * n_queries, n_splits, dim), dtype=torch.float32,
                           device=query.device)
     lse = torch.empty((heads * n_queries, n_splits), dtype=torch.float32, device=query.device)
     out = torch.empty((1, n_queries, heads, dim), dtype=query.dtype, device=query.device)
-    _partial_kernel[(kv_heads, n_splits, row_blocks)](
+    _partial_kernel[(kv_heads, n_splits, -(-rows // block_m))](
         query, key, value, partial, lse, lse if past is None else past,
         query.stride(1), query.stride(2), key.stride(1), key.stride(2),
         value.stride(1), value.stride(2),
-        n_queries, n_keys, n_rep, chunk, n_splits, scale * math.log2(math.e),
-        HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, PAST_ON_DEVICE=past is not None)
-    _merge_kernel[(heads * n_queries,)](
-        partial, lse, out, out.stride(1), out.stride(2), n_queries, n_splits,
-        HEAD_DIM=dim, SPLITS=MAX_SPLITS)
+        n_queries, n_keys, heads // kv_heads, chunk, n_splits, scale * math.log2(math.e),
+        HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, PAST_ON_DEVICE=past is not None,
+        FIXED_CHUNK=split_tokens is not None, INTERPRET=INTERPRET)
+    if split_tokens is not None:
+        _merge_in_order_kernel[(_ceil(heads * n_queries, MERGE_ROWS),)](
+            partial, lse, out, out.stride(1), out.stride(2), heads * n_queries, n_queries,
+            n_splits, HEAD_DIM=dim, ROWS=MERGE_ROWS, enable_fp_fusion=False)
+    else:
+        _merge_kernel[(heads * n_queries,)](
+            partial, lse, out, out.stride(1), out.stride(2), n_queries, n_splits,
+            HEAD_DIM=dim, SPLITS=MAX_SPLITS)
     return out
 
 
@@ -216,19 +283,25 @@ def kvtier_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
                                   scaling=scaling, **kwargs)
 
 
-def install(model: Any) -> bool:
-    """Make ``model`` (a transformers model) use ``kvtier_attention``, with sdpa's masks.
-    Returns False (and changes nothing) where transformers has no attention registry."""
+def install(model: Any, name: str = NAME, function: Any = None) -> bool:
+    """Make ``model`` (a transformers model) use ``function`` (``kvtier_attention``) registered
+    as ``name``, with sdpa's masks. Returns False (and changes nothing) where transformers has
+    no attention registry."""
     try:
         from transformers import AttentionInterface
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     except ImportError:
         return False
-    AttentionInterface.register(NAME, kvtier_attention)
-    AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    AttentionInterface.register(name, function or kvtier_attention)
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
     setter = getattr(model, "set_attn_implementation", None)
     if setter is not None:
-        setter(NAME)
+        setter(name)
     else:
-        model.config._attn_implementation = NAME
+        model.config._attn_implementation = name
     return True
+
+
+def device_past_now() -> torch.Tensor | None:
+    """The past's length on the device inside ``device_past`` (None outside)."""
+    return _DEVICE_PAST.get()

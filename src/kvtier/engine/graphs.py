@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from kvtier.engine import attention
+from kvtier.engine import attention, invariant
 from kvtier.engine.fused import fused_modules
 from kvtier.engine.kv_pages import pending_hit
 
@@ -120,7 +120,8 @@ class SuffixGraphs:
         self.captures = 0
         self.capture_s = 0.0
         self.fallbacks: Counter[str] = Counter()
-        attention.install(lm.model)
+        if getattr(lm.model.config, "_attn_implementation", None) != invariant.NAME:
+            attention.install(lm.model)  # the deterministic mode's attention stays
 
     # ---- deciding ----------------------------------------------------------------------------
     def accepts(self, cache: Any, new_tokens: int) -> bool:

@@ -109,10 +109,12 @@ class CausalLM:
 
 
 def load_model(model: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
-               attention: str = "kvtier") -> CausalLM:
+               attention: str = "kvtier", deterministic: bool = False) -> CausalLM:
     """Build a preset (random weights from ``seed``) or load a model directory onto ``device``.
     ``attention="kvtier"`` installs ``kvtier.engine.attention`` (split-KV kernels for short
-    suffixes over a long past on CUDA; transformers' sdpa for everything else)."""
+    suffixes over a long past on CUDA; transformers' sdpa for everything else) and, on CUDA,
+    the fused RMSNorm for every forward (the captured hit path runs it: the prefill must too).
+    ``deterministic`` installs ``kvtier.engine.invariant`` (batch-invariant kernels)."""
     source = resolve_model(model)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
@@ -121,8 +123,14 @@ def load_model(model: str, *, device: str = "auto", dtype: str = "auto", seed: i
     _check_supported(hf_model.config)
     if attention == "kvtier" and device.startswith("cuda"):
         from kvtier.engine import attention as split_kv
+        from kvtier.engine import fused
 
         split_kv.install(hf_model)
+        fused.install_norms(hf_model)
+    if deterministic:
+        from kvtier.engine import invariant
+
+        invariant.install(hf_model, torch.device(device))
     from kvtier.engine import paged
 
     paged.install(hf_model)  # many sequences in one forward over the device pool's pages

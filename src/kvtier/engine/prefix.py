@@ -311,12 +311,13 @@ class PrefixCache:
 
 
 def _suffix_graphs(config: KvtierConfig, lm: CausalLM) -> Any:
-    """``SuffixGraphs`` where they can serve (CUDA, the kvtier attention, a supported model,
-    ``engine.graph_tokens`` > 0), captured for every bucket now; else None."""
+    """``SuffixGraphs`` where they can serve (CUDA, the kvtier or the deterministic attention, a
+    supported model, ``engine.graph_tokens`` > 0), captured for every bucket now; else None."""
     from kvtier.engine import graphs
 
     engine = config.engine
-    if (engine.graph_tokens <= 0 or engine.attention != "kvtier" or lm.device.type != "cuda"
+    kvtier_attention = engine.attention == "kvtier" or engine.deterministic
+    if (engine.graph_tokens <= 0 or not kvtier_attention or lm.device.type != "cuda"
             or graphs.unsupported_reason(lm) is not None):
         return None
     static = graphs.SuffixGraphs(lm, engine.graph_tokens)

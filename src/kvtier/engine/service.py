@@ -51,7 +51,8 @@ class EngineService:
         overrides ``engine.max_running``."""
         lm = lm or load_model(config.engine.model, device=config.engine.device,
                               dtype=config.engine.dtype, seed=config.engine.seed,
-                              attention=config.engine.attention)
+                              attention=config.engine.attention,
+                              deterministic=config.engine.deterministic)
         prefix_cache = None
         if config.cache.enabled:
             from kvtier.engine.prefix import PrefixCache

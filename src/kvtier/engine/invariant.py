@@ -1,0 +1,135 @@
+"""The deterministic mode (``engine.deterministic``): batch-invariant kernels for every forward.
+
+Owns ``linear`` (a Triton matmul with one fixed tile shape and an in-order sum over the inner
+dimension), ``attention_forward`` (the split-KV kernels in slices of ``SPLIT_TOKENS`` keys
+counted from position 0, merged in order) and ``install``, which puts them and the fused
+RMSNorm into a transformers model for good (the rotary embedding is element-wise already, and
+the graphs' fused one is bit-identical to it).
+
+Why: a cache hit computes a prompt's last tokens in a forward of a few rows over a stored past;
+a recompute computes them inside one forward of every row. Library kernels pick their tiling
+and their split of a sum by the number of rows (cuBLAS's split-K, sdpa's query blocks), so the
+same row comes out with other roundings. Here every kernel computes a row, and a query, with
+the same tiles and the same order of sums whatever else the forward holds: the embedding,
+element-wise ops and these kernels are all there is, so logits after a hit are bit-identical to
+a recompute's at any hit length, tier and page size, and a sequence's results do not depend on
+what runs beside it. The stored past is bytes the same kernels produced, so it continues alike.
+
+Cost: these kernels are untuned next to cuBLAS and flash attention (measured in
+``benchmarks/parity.py``'s notes and README). CUDA, or the Triton interpreter on the CPU
+(``TRITON_INTERPRET=1``, for tests); anything else is refused at start. Engine thread.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvtier.engine import attention, fused
+from kvtier.engine.rounding import INTERPRET, dot, round_to
+from kvtier.errors import ConfigError
+
+NAME = "kvtier_deterministic"
+#: Keys per attention slice: a multiple of the kernels' 64-key block and of every page size
+#: up to 256, so that slices of a hit's past and of a recompute are the same slices.
+SPLIT_TOKENS = 256
+#: Bound on the per-slice partial results of one prefill launch; longer prompts run their
+#: queries in several launches (a query's result does not depend on the launch).
+PARTIAL_BYTES = 256 << 20
+#: The matmul's one tile shape (rows, columns, inner step).
+TILE_M, TILE_N, TILE_K = 64, 64, 64
+
+
+@triton.jit(do_not_specialize=["n_rows"])   # one compiled kernel for every row count
+def _matmul_kernel(x_ptr, w_ptr, b_ptr, out_ptr, n_rows, n_cols, inner, sx_m, sw_n, so_m,
+                   HAS_BIAS: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr,
+                   TILE_K: tl.constexpr, INTERPRET: tl.constexpr):
+    """One output tile of ``x @ w.T (+ b)``: fp32 sums over the inner dimension in order,
+    rounded once."""
+    rows = tl.program_id(0) * TILE_M + tl.arange(0, TILE_M)
+    cols = tl.program_id(1) * TILE_N + tl.arange(0, TILE_N)
+    steps = tl.arange(0, TILE_K)
+    acc = tl.zeros([TILE_M, TILE_N], tl.float32)
+    for start in range(0, inner, TILE_K):
+        ks = start + steps
+        x = tl.load(x_ptr + rows[:, None] * sx_m + ks[None, :],
+                    mask=(rows[:, None] < n_rows) & (ks[None, :] < inner), other=0.0)
+        w = tl.load(w_ptr + cols[:, None] * sw_n + ks[None, :],
+                    mask=(cols[:, None] < n_cols) & (ks[None, :] < inner), other=0.0)
+        acc += dot(x, tl.trans(w), INTERPRET)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
+    out_ty = out_ptr.dtype.element_ty
+    tl.store(out_ptr + rows[:, None] * so_m + cols[None, :], round_to(acc, out_ty).to(out_ty),
+             mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``torch.nn.functional.linear`` with a row's result independent of the other rows."""
+    inner = x.shape[-1]
+    if weight.shape[1] != inner:
+        raise ValueError(f"linear: input width {inner} does not match weight {tuple(weight.shape)}")
+    rows = x.reshape(-1, inner)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    n_cols = weight.shape[0]
+    out = torch.empty((rows.shape[0], n_cols), dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(rows.shape[0], TILE_M), triton.cdiv(n_cols, TILE_N))
+    _matmul_kernel[grid](rows, weight, bias if bias is not None else weight, out, rows.shape[0],
+                         n_cols, inner, rows.stride(0), weight.stride(0), out.stride(0),
+                         HAS_BIAS=bias is not None, TILE_M=TILE_M, TILE_N=TILE_N, TILE_K=TILE_K,
+                         INTERPRET=INTERPRET, enable_fp_fusion=False)
+    return out.view(*x.shape[:-1], n_cols)
+
+
+def attention_forward(module: object, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, attention_mask: torch.Tensor | None,
+                      dropout: float = 0.0, scaling: float | None = None,
+                      **kwargs: object) -> tuple[torch.Tensor, None]:
+    """transformers attention function: causal attention in fixed slices (one unpadded
+    sequence, the new tokens last, as the engine runs it)."""
+    if dropout or kwargs.get("softcap") is not None or kwargs.get("sliding_window") is not None:
+        raise ValueError("the deterministic attention takes no dropout, softcap or sliding window")
+    past = attention.device_past_now()
+    if past is not None:
+        return attention.split_kv_attention(query, key, value, scaling, past=past,
+                                            split_tokens=SPLIT_TOKENS), None
+    n_queries, n_keys = query.shape[2], key.shape[2]
+    per_query = query.shape[1] * triton.cdiv(n_keys, SPLIT_TOKENS) * query.shape[3] * 4
+    step = max(1, PARTIAL_BYTES // per_query)
+    outs = []
+    for first in range(0, n_queries, step):
+        last = min(first + step, n_queries)
+        visible = n_keys - n_queries + last   # bottom-right aligned: the chunk's keys end here
+        outs.append(attention.split_kv_attention(
+            query[:, :, first:last], key[:, :, :visible], value[:, :, :visible], scaling,
+            split_tokens=SPLIT_TOKENS))
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
+
+
+def check_device(device: torch.device) -> None:
+    """Refuse, naming the setting, a device the kernels cannot run on."""
+    if device.type != "cuda" and not INTERPRET:
+        raise ConfigError("engine.deterministic", "true",
+                          "CUDA, or the Triton interpreter on the CPU (TRITON_INTERPRET=1)")
+
+
+def install(model: torch.nn.Module, device: torch.device) -> dict[str, int]:
+    """Put the batch-invariant kernels into ``model`` for good; returns what was replaced."""
+    check_device(device)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    for module in linears:
+        module.forward = _linear_forward(module)
+    norms = fused.install_norms(model)
+    if not attention.install(model, NAME, attention_forward):
+        raise ConfigError("engine.deterministic", "true",
+                          "a transformers version with an attention registry")
+    return {"linear": len(linears), "norm": norms}
+
+
+def _linear_forward(module: torch.nn.Linear) -> object:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return linear(x, module.weight, module.bias)
+    return forward
