@@ -1,0 +1,124 @@
+"""Does a hit give the server's no-cache answer? Greedy tokens through the engine the server runs.
+
+``benchmarks/parity.py`` checks the per-sequence path (``PrefixCache``) kernel by kernel; this
+script checks what a user of ``kvtier serve`` sees: the batched engine (``EngineService``, the
+paged attention, the captured suffix forwards of a lone hit) with the cache on, against the same
+engine with ``cache.enabled`` false (``--no-cache``). For each architecture (the random-weight
+models of ``parity.py``), dtype and page size, every prompt is first generated with the cache
+off; then, with the cache on, a sibling that shares a random-length prefix is run, and the
+prompt follows as a device hit, then (device tier dropped) as a host hit, each alone; finally all
+prompts at once as batched hits. A cell reports the share of prompts whose greedy tokens are
+identical and ``identical`` (all of them). The cache's tier drops run on the engine thread
+(``Scheduler.call_soon``). Prints a table and writes ``--json`` with machine info. Usage (the
+H200)::
+
+    PYTHONPATH=src:benchmarks python benchmarks/serve_parity.py --device cuda \\
+        --dtypes bfloat16,float32 --prompts 200 --json serve_parity_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from kvtier.config import build_config
+from kvtier.engine import paged
+from kvtier.engine.request import GenerationRequest
+from kvtier.engine.service import EngineService
+from kvtier.machine import format_table, machine_info
+from parity import build_lm, prompts
+
+
+def _service(lm: Any, args: argparse.Namespace, dtype: str, page_size: int, cache: bool,
+             running: int) -> EngineService:
+    flags = {"engine.device": args.device, "engine.dtype": dtype, "cache.page_size": page_size,
+             "cache.enabled": str(cache).lower(), "engine.max_running": str(running),
+             "host.pool_bytes": "512MiB" if cache else "0"}
+    return EngineService.build(build_config(env={}, flags=flags), lm=lm)
+
+
+def _run(service: EngineService, batch: list[list[int]], new: int) -> list[list[int]]:
+    handles = [service.submit(GenerationRequest(tuple(p), new)) for p in batch]
+    return [h.result(timeout=1800)[0] for h in handles]
+
+
+def _drop(service: EngineService, tiers: tuple[str, ...]) -> None:
+    service.scheduler.call_soon(lambda: service.prefix_cache.drop_tiers(tiers)).result(600)
+
+
+def run_cell(args: argparse.Namespace, arch: str, dtype: str, page_size: int) -> list[dict[str, Any]]:
+    lm = build_lm(arch, dtype, "default", args.device, args.hidden, args.layers)
+    paged.install(lm.model)                  # as hf.load_model does
+    pairs = prompts(args.prompts, args.prompt_tokens, args.seed)
+    plain = _service(lm, args, dtype, page_size, False, 1)
+    try:
+        wants = [_run(plain, [p], args.new_tokens)[0] for p, _ in pairs]
+    finally:
+        plain.close()
+    got: dict[str, list[list[int]]] = {"device": [], "host": []}
+    cached = _service(lm, args, dtype, page_size, True, max(1, len(pairs)))
+    try:
+        for prompt, sibling in pairs:
+            _drop(cached, ("device", "host"))
+            _run(cached, [sibling], 1)
+            got["device"].append(_run(cached, [prompt], args.new_tokens)[0])
+            _drop(cached, ("device",))
+            got["host"].append(_run(cached, [prompt], args.new_tokens)[0])
+        _drop(cached, ("device", "host"))
+        _run(cached, [s for _, s in pairs], 1)
+        got["batched"] = _run(cached, [p for p, _ in pairs], args.new_tokens)
+    finally:
+        cached.close()
+    cells = []
+    for tier, rows in got.items():
+        same = sum(a == b for a, b in zip(rows, wants, strict=True))
+        firsts = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), -1)
+                  for a, b in zip(rows, wants, strict=True)]
+        cells.append({"arch": arch, "dtype": dtype, "page_size": page_size, "tier": tier,
+                      "prompts": len(rows), "identical_share": round(same / len(rows), 4),
+                      "identical": same == len(rows),
+                      "first_divergent": [f for f in firsts if f >= 0][:20]})
+    return cells
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--archs", default="llama,qwen2,mistral")
+    parser.add_argument("--dtypes", default="float32")
+    parser.add_argument("--page-sizes", default="16,64")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=600)
+    parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    cells: list[dict[str, Any]] = []
+    for dtype in args.dtypes.split(","):
+        for arch in args.archs.split(","):
+            for page in (int(p) for p in args.page_sizes.split(",")):
+                cells += run_cell(args, arch, dtype, page)
+                _write(args, cells)      # after every cell: a run cut short keeps what it did
+    rows = [[c["arch"], c["dtype"], c["page_size"], c["tier"], c["prompts"],
+             f"{100 * c['identical_share']:.1f} %", c["identical"]] for c in cells]
+    text = format_table(["arch", "dtype", "page", "hit", "prompts", "identical", "all"], rows)
+    print(text)
+    _write(args, cells, text)
+    return 0
+
+
+def _write(args: argparse.Namespace, cells: list[dict[str, Any]], text: str = "") -> None:
+    if args.json:
+        result = {"machine": machine_info(), "settings": vars(args) | {"json": None},
+                  "cells": cells}
+        args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
+        if text:
+            args.json.with_suffix(".txt").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
