@@ -35,7 +35,8 @@ def _service(lm: Any, args: argparse.Namespace, dtype: str, page_size: int, cach
              running: int) -> EngineService:
     flags = {"engine.device": args.device, "engine.dtype": dtype, "cache.page_size": page_size,
              "cache.enabled": str(cache).lower(), "engine.max_running": str(running),
-             "host.pool_bytes": "512MiB" if cache else "0"}
+             "host.pool_bytes": "512MiB" if cache else "0",
+             "server.max_concurrent_requests": str(max(64, 2 * running))}
     return EngineService.build(build_config(env={}, flags=flags), lm=lm)
 
 
