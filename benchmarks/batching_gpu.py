@@ -123,8 +123,10 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
     try:
         _generate_all(service, _prompts(2, 64, 99, vocab), 8)        # warm-up
         graphs = service.engine.decode_graphs
-        if graphs is not None:   # capture now, not on the clock of the first long decode
-            graphs.warm(service.engine.pages.kv, args.prompt_tokens + args.new_tokens)
+        if graphs is not None:   # capture now (on the engine thread), not on the clock
+            keys = args.prompt_tokens + args.new_tokens
+            service.scheduler.call_soon(
+                lambda: graphs.warm(service.engine.pages.kv, keys)).result(timeout=600)
         out["single"] = _single(service, args, vocab)
         for level in levels:
             out[f"concurrent_{level}"] = _timed_concurrent(

@@ -80,6 +80,16 @@ def test_padding_rows_write_only_the_scratch_page():
     assert graphs.stats()["graphs"] == [(1, 32), (2, 32), (4, 32)]
 
 
+def test_warming_builds_every_bucket_once_and_steps_reuse_them(monkeypatch):
+    lm = tiny_lm()
+    pool = _pool(lm)
+    graphs = DecodeGraphs(lm, 8, lambda: SCRATCH, capture=False, backend="torch")
+    assert graphs.warm(pool, 30) == 4      # buckets 1, 2, 4, 8 at one width
+    assert graphs.stats()["graphs"] == [(b, width_for(30, PAGE)) for b in (1, 2, 4, 8)]
+    monkeypatch.setattr(graphs, "_build", lambda *a: pytest.fail("built again"))
+    assert graphs.run(_rows(), pool) is not None and graphs.warm(pool, 30) == 4
+
+
 def test_steps_a_graph_cannot_serve_run_eagerly():
     lm = tiny_lm()
     graphs = DecodeGraphs(lm, 2, lambda: SCRATCH, capture=False, backend="torch")

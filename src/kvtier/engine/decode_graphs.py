@@ -24,6 +24,7 @@ code the CPU tests run; only ``_capture`` is CUDA-only. Engine thread only.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -141,6 +142,7 @@ class DecodeGraphs:
         self._kv: torch.Tensor | None = None
         self.disabled: str | None = None
         self.served = self.captures = 0
+        self.capture_s = 0.0
         self.fallbacks: Counter[str] = Counter()
 
     def key_for(self, rows: Sequence[paged.BatchRow], page_size: int) -> tuple[int, int] | None:
@@ -165,9 +167,7 @@ class DecodeGraphs:
         key = self.key_for(rows, int(pool.shape[3]))
         if key is None:
             return None
-        if self._kv is not pool:   # another pool: graphs bound to the old one are void
-            self._entries.clear()
-            self._kv, self._scratch = pool, None
+        self._bind(pool)
         entry = self._entries.get(key) or self._build(key, pool)
         if entry is None:
             return None
@@ -181,6 +181,24 @@ class DecodeGraphs:
         self.served += 1
         return static.logits[:len(rows)].clone()
 
+    @torch.inference_mode()
+    def warm(self, pool: torch.Tensor, keys: int) -> int:
+        """Capture every bucket for pasts up to ``keys`` now (not on a step's clock); returns
+        the graphs held."""
+        self._bind(pool)
+        width = width_for(keys, int(pool.shape[3]))
+        bucket = 1
+        while bucket <= self.max_batch and self.disabled is None:
+            if (bucket, width) not in self._entries:
+                self._build((bucket, width), pool)
+            bucket *= 2
+        return len(self._entries)
+
+    def _bind(self, pool: torch.Tensor) -> None:
+        if self._kv is not pool:   # another pool: graphs bound to the old one are void
+            self._entries.clear()
+            self._kv, self._scratch = pool, None
+
     def _build(self, key: tuple[int, int], pool: torch.Tensor
                ) -> tuple[StaticDecode, Callable[[], None]] | None:
         try:
@@ -191,6 +209,7 @@ class DecodeGraphs:
             self._disable("no_memory", exc)
             return None
         step = self._step(static)
+        started = time.perf_counter()
         if self.capture:
             try:
                 step = self._capture(step)
@@ -198,6 +217,7 @@ class DecodeGraphs:
                 self._disable("capture_failed", exc)
                 return None
             self.captures += 1
+            self.capture_s += time.perf_counter() - started
         self._entries[key] = static, step
         return static, step
 
@@ -242,5 +262,6 @@ class DecodeGraphs:
 
     def stats(self) -> dict[str, Any]:
         return {"served": self.served, "captures": self.captures,
+                "capture_s": round(self.capture_s, 3),
                 "graphs": sorted(self._entries), "max_batch": self.max_batch,
                 "fallbacks": dict(self.fallbacks), "disabled": self.disabled}
