@@ -16,7 +16,7 @@ from test_paged_split import _case, _reference
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("page,kv_heads,n_rep,dim", [(16, 8, 4, 128), (64, 2, 7, 64),
                                                      (7, 4, 1, 128)])
 def test_split_kv_equals_the_serial_kernel_and_plain_attention(dtype, tol, page, kv_heads, n_rep,
