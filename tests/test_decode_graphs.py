@@ -115,6 +115,17 @@ def test_a_failed_capture_turns_the_graphs_off_counted(monkeypatch):
     assert graphs.run(_rows(), _pool(lm)) is None and graphs.fallbacks["capture_failed"] == 1
 
 
+def test_a_failed_replay_turns_the_graphs_off_and_the_step_runs_eagerly(monkeypatch):
+    lm = tiny_lm()
+    graphs = DecodeGraphs(lm, 8, lambda: SCRATCH, capture=False, backend="torch")
+    pool = _pool(lm)
+    assert graphs.run(_rows(), pool) is not None
+    monkeypatch.setattr(decode_graphs.StaticDecode, "fill",
+                        lambda self, rows: (_ for _ in ()).throw(RuntimeError("bad fill")))
+    assert graphs.run(_rows(), pool) is None
+    assert graphs.fallbacks["replay_failed"] == 1 and not graphs.stats()["graphs"]
+
+
 def test_no_scratch_page_turns_the_graphs_off_counted():
     lm = tiny_lm()
 

@@ -172,8 +172,8 @@ class DecodeGraphs:
         if entry is None:
             return None
         static, replay = entry
-        static.fill(rows)
         try:
+            static.fill(rows)
             replay()
         except Exception as exc:  # the step reruns eagerly over the same slots
             self._disable("replay_failed", exc)
