@@ -42,10 +42,13 @@ def _prompts(count: int, length: int, seed: int, vocab: int) -> list[list[int]]:
     return [[rng.randrange(10, vocab - 1) for _ in range(length)] for _ in range(count)]
 
 
-def _service(lm: Any, device: str, dtype: str, max_running: int, host_pool: str) -> EngineService:
-    config = build_config(env={}, flags={"engine.device": device, "engine.dtype": dtype,
-                                         "engine.max_running": str(max_running),
-                                         "host.pool_bytes": host_pool})
+def _service(lm: Any, device: str, dtype: str, max_running: int, host_pool: str,
+             decode_graph_batch: int | None = None) -> EngineService:
+    flags = {"engine.device": device, "engine.dtype": dtype,
+             "engine.max_running": str(max_running), "host.pool_bytes": host_pool}
+    if decode_graph_batch is not None:
+        flags["engine.decode_graph_batch"] = str(decode_graph_batch)
+    config = build_config(env={}, flags=flags)
     return EngineService.build(config, lm=lm)
 
 
@@ -104,6 +107,13 @@ def _timed_concurrent(service: EngineService, prompts: list[list[int]], new: int
             "ttft_p50_s": round(statistics.median(ttfts), 3)}
 
 
+def _single(service: EngineService, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    one = _timed_concurrent(service, _prompts(1, args.prompt_tokens, 1, vocab), args.new_tokens)
+    decode_s = one["seconds"] - one["ttft_p50_s"]
+    one["ms_per_token"] = round(1000 * decode_s / max(1, one["generated_tokens"] - 1), 2)
+    return one
+
+
 def throughput(args: argparse.Namespace) -> dict[str, Any]:
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
     vocab = lm.config.vocab_size
@@ -112,13 +122,22 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     try:
         _generate_all(service, _prompts(2, 64, 99, vocab), 8)        # warm-up
-        one = _timed_concurrent(service, _prompts(1, args.prompt_tokens, 1, vocab), args.new_tokens)
-        decode_s = one["seconds"] - one["ttft_p50_s"]
-        one["ms_per_token"] = round(1000 * decode_s / max(1, one["generated_tokens"] - 1), 2)
-        out["single"] = one
+        graphs = service.engine.decode_graphs
+        if graphs is not None:   # capture now (on the engine thread), not on the clock
+            keys = args.prompt_tokens + args.new_tokens
+            service.scheduler.call_soon(
+                lambda: graphs.warm(service.engine.pages.kv, keys)).result(timeout=600)
+        out["single"] = _single(service, args, vocab)
         for level in levels:
             out[f"concurrent_{level}"] = _timed_concurrent(
                 service, _prompts(level, args.prompt_tokens, 1000 + level, vocab), args.new_tokens)
+        out["engine_stats"] = service.engine.stats()
+    finally:
+        service.close()
+    service = _service(lm, args.device, args.dtype, 1, args.host_pool, decode_graph_batch=0)
+    try:                         # the same stream without decode graphs, for the side by side
+        _generate_all(service, _prompts(1, 64, 99, vocab), 8)
+        out["single_eager_decode"] = _single(service, args, vocab)
     finally:
         service.close()
     if not args.skip_peer:
@@ -164,11 +183,13 @@ def main() -> int:
     result["throughput"] = throughput(args)
     rows = [[name, r.get("requests", ""), r.get("generated_tokens", ""), r.get("tokens_per_s", ""),
              r.get("ttft_p50_s", ""), r.get("ms_per_token", "")]
-            for name, r in result["throughput"].items() if isinstance(r, dict)]
+            for name, r in result["throughput"].items()
+            if isinstance(r, dict) and name != "engine_stats"]
     text = format_table(["run", "requests", "generated", "tok/s", "TTFT p50 s", "ms/token"], rows)
     if "kvtier_over_transformers" in result["throughput"]:
         text += f"\nkvtier / transformers: {result['throughput']['kvtier_over_transformers']}x"
     print(text)
+    print("engine:", result["throughput"].get("engine_stats"))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
         args.json.with_suffix(".txt").write_text(text + "\n")

@@ -50,6 +50,10 @@ class EngineConfig:
     deterministic: bool = opt(False, "Batch-invariant kernels in every forward (matmuls, norms, "
                               "attention in fixed 256-key slices): a hit's logits are "
                               "bit-identical to a recompute's. CUDA (or the Triton interpreter).")
+    decode_graph_batch: int = opt(64, "Largest batch of decode-only steps replayed as CUDA "
+                                  "graphs (captured at batch buckets 1, 2, 4, ... up to it; "
+                                  "larger steps run eagerly). 0: no decode graphs. CUDA only.",
+                                  minimum=0)
     max_new_tokens: int = opt(256, "Default cap on generated tokens per request.", minimum=1)
     max_running: int = opt(16, "Sequences generated at once, in one forward per step; others "
                            "wait in the fair queue.", minimum=1, alias="--max-running")

@@ -178,8 +178,7 @@ def forward_batch(lm: Any, rows: Sequence[BatchRow], pool: torch.Tensor,
     Returns the last new position's logits of each row, ``[rows, vocab]`` fp32."""
     if not rows or any(not row.tokens for row in rows):
         raise ValueError("every row of a batch needs at least one new token")
-    if lm.model.config._attn_implementation not in _registered():
-        install(lm.model)  # something set another attention since (e.g. the suffix graphs)
+    ensure_installed(lm.model)
     batch = PagedBatch(rows, pool, backend or backend_for(lm.device))
     ids = [t for row in rows for t in row.tokens]
     positions = [p for row in rows for p in range(row.start, row.end)]
@@ -204,6 +203,12 @@ def _placeholder_mask(device: torch.device) -> torch.Tensor:
     if mask is None:
         mask = _MASKS[device] = torch.zeros((1, 1, 1, 1), dtype=torch.bool, device=device)
     return mask
+
+
+def ensure_installed(model: Any) -> None:
+    """Install the paged attention again if something set another since (the suffix graphs)."""
+    if model.config._attn_implementation not in _registered():
+        install(model)
 
 
 def _registered() -> set[str]:

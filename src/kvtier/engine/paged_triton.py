@@ -1,7 +1,9 @@
 """Paged attention on CUDA: a Triton kernel that reads keys and values in place in pool pages.
 
 Owns ``paged_attention_kernel`` and ``TritonBatch`` (its launch for one step of
-``kvtier.engine.paged.PagedBatch``). Work is cut into query blocks: up to ``BLOCK_TOKENS``
+``kvtier.engine.paged.PagedBatch``). Decode rows (one new token) go to the split-KV kernels of
+``kvtier.engine.paged_split``, which spread a long past over many programs; the rest (prefill
+chunks) run here. Work is cut into query blocks: up to ``BLOCK_TOKENS``
 consecutive new tokens of one sequence (one token for a decode). One program takes one query
 block and one KV head, with the query rows of every query head that shares it (grouped-query
 attention needs no copies), walks that sequence's page table ``BLOCK_N`` key positions at a
@@ -21,6 +23,8 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+
+from kvtier.engine import paged_split
 
 BLOCK_N = 32
 #: Query rows (tokens x query heads per KV head) one program holds at most.
@@ -89,6 +93,10 @@ class TritonBatch:
             table[i, :len(row.pages)] = torch.as_tensor(list(row.pages), dtype=torch.int32)
         self.table = table.to(device)
         self._blocks: dict[int, tuple[torch.Tensor, int]] = {}
+        decodes = [(i, first, row.end) for i, (row, first)
+                   in enumerate(zip(self.rows, self.q_starts, strict=True)) if len(row.tokens) == 1]
+        self.decodes = torch.as_tensor(decodes, dtype=torch.int32).reshape(-1, 3).to(device)
+        self.n_splits = paged_split.splits_for(max((d[2] for d in decodes), default=1))
 
     @classmethod
     def build(cls, rows: Sequence[Any], q_starts: Sequence[int], page_size: int,
@@ -104,11 +112,13 @@ class TritonBatch:
         per_block = max(1, MAX_ROWS // n_rep)
         out = []
         for i, (row, first) in enumerate(zip(self.rows, self.q_starts, strict=True)):
+            if len(row.tokens) == 1:
+                continue   # a decode row: split-KV
             for offset in range(0, len(row.tokens), per_block):
                 count = min(per_block, len(row.tokens) - offset)
                 out.append((i, first + offset, count, row.start + offset))
-        blocks = torch.as_tensor(out, dtype=torch.int32).to(self.device)
-        self._blocks[n_rep] = blocks, max(block[2] for block in out)
+        blocks = torch.as_tensor(out, dtype=torch.int32).reshape(-1, 4).to(self.device)
+        self._blocks[n_rep] = blocks, max((block[2] for block in out), default=1)
         return self._blocks[n_rep]
 
     def attend(self, query: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor,
@@ -116,15 +126,21 @@ class TritonBatch:
         """``query`` ``[T, heads, dim]`` over pages ``[pages, page_size, kv_heads, dim]``
         (contiguous); returns ``[T, heads, dim]``."""
         blocks, longest = self.blocks(query.shape[1] // key_pages.shape[2])
-        return paged_attention(query, key_pages, value_pages, self.table, blocks, scaling,
-                               longest)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        if blocks.shape[0]:
+            paged_attention(query, key_pages, value_pages, self.table, blocks, scaling, longest,
+                            out)
+        paged_split.split_decode(query, key_pages, value_pages, self.table, self.decodes,
+                                 scaling, self.n_splits, out)
+        return out
 
 
 def paged_attention(query: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor,
                     table: torch.Tensor, blocks: torch.Tensor, scaling: float,
-                    longest: int) -> torch.Tensor:
+                    longest: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the kernel: ``table`` ``[sequences, pages]`` int32, ``blocks`` as
-    ``TritonBatch.blocks``, ``longest`` the most queries in one block."""
+    ``TritonBatch.blocks``, ``longest`` the most queries in one block; writes the blocks'
+    rows of ``out`` (new when None) and returns it."""
     total, heads, dim = query.shape
     kv_heads = key_pages.shape[2]
     if heads % kv_heads or dim & (dim - 1) or dim < 16:
@@ -135,7 +151,8 @@ def paged_attention(query: torch.Tensor, key_pages: torch.Tensor, value_pages: t
     n_rep = heads // kv_heads
     rows = longest * n_rep
     block_r = max(16, triton.next_power_of_2(rows))
-    out = torch.empty((total, heads, dim), dtype=query.dtype, device=query.device)
+    if out is None:
+        out = torch.empty((total, heads, dim), dtype=query.dtype, device=query.device)
     paged_attention_kernel[(blocks.shape[0], kv_heads)](
         query, key_pages, value_pages, out, table, blocks,
         query.stride(0), query.stride(1), key_pages.stride(1), key_pages.stride(2),

@@ -8,7 +8,8 @@ one chosen), a prefill a chunk of its prompt, the chunks of all prefills sharing
 it; each sequence's pages grow to hold its new tokens, and when the device pool runs out the
 newest sequence is preempted (its computed full pages committed to the cache, everything
 released: it comes back as a prefix hit, or a plain recompute without the cache). One
-``paged.forward_batch`` runs the step; rows that reached their last token get their next token
+``paged.forward_batch`` runs the step (a step of decodes only replays a captured graph,
+``decode_graphs``, where one serves it); rows that reached their last token get their next token
 chosen and sent, and a prompt's pages are committed once its first token is out. ``finish``
 commits the sequence's KV pages and releases what it pinned. Engine thread only.
 """
@@ -64,13 +65,14 @@ class Engine:
     """Runs batched steps of one ``CausalLM`` over pages from ``pages`` (``seq_pages``)."""
 
     def __init__(self, lm: CausalLM, pages: Any, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                 prefix_cache: Any = None) -> None:
+                 prefix_cache: Any = None, decode_graphs: Any = None) -> None:
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         self.lm, self.pages, self.chunk_tokens = lm, pages, chunk_tokens
         self.prefix_cache = prefix_cache   # observes cold prefill rates for the split
         graphs = getattr(prefix_cache, "graphs", None)
         self.suffix = SuffixStep(lm, graphs) if graphs is not None else None
+        self.decode_graphs = decode_graphs   # DecodeGraphs: all-decode steps replay a graph
         self.counters = {"steps": 0, "batched_tokens": 0, "preempted": 0}
 
     # ---- admission -------------------------------------------------------------------------
@@ -150,6 +152,8 @@ class Engine:
         started = time.perf_counter()
         try:
             logits = self._suffix(planned)
+            if logits is None and self.decode_graphs is not None:
+                logits = self.decode_graphs.run(rows, self.pages.kv)
             if logits is None:
                 logits = paged.forward_batch(self.lm, rows, self.pages.kv)
         except Exception as exc:  # the step's sequences fail; the engine keeps serving
@@ -250,4 +254,6 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         served = {"suffix_graph_steps": self.suffix.served} if self.suffix is not None else {}
+        if self.decode_graphs is not None:
+            served["decode_graphs"] = self.decode_graphs.stats()
         return {**self.counters, **served}

@@ -70,6 +70,10 @@ class PlainPages:
     def commit_prompt(self, pages: SeqPages, tokens: list[int]) -> None:
         pages.ticket = None
 
+    def scratch_page(self) -> int:
+        """A page for the engine alone (padding rows of captured decodes write it), never freed."""
+        return self.device_pool.allocator.allocate(1)[0]
+
     def close(self, pages: SeqPages, tokens: list[int], *, commit: bool) -> None:
         self.device_pool.allocator.free(sorted(pages.owned))
         pages.owned.clear()
@@ -149,6 +153,9 @@ class CachedPages(PlainPages):
         pages.table = pages.table[:index] + [fresh]
         pages.owned.add(fresh)
         return True
+
+    def scratch_page(self) -> int:
+        return self.tiered.allocate(1)[0]
 
     def grow(self, pages: SeqPages, tokens: int) -> None:
         missing = -(-tokens // self.page_size) - len(pages.table)

@@ -29,9 +29,10 @@ class EngineService:
         self.config = config
         self.lm = lm
         self.prefix_cache = prefix_cache
-        self.engine = Engine(lm, _page_source(config, lm, prefix_cache),
-                             chunk_tokens=config.engine.prefill_chunk_tokens,
-                             prefix_cache=prefix_cache)
+        pages = _page_source(config, lm, prefix_cache)
+        self.engine = Engine(lm, pages, chunk_tokens=config.engine.prefill_chunk_tokens,
+                             prefix_cache=prefix_cache,
+                             decode_graphs=_decode_graphs(config, lm, pages))
         try:
             self.kv_events = _kv_events(config, prefix_cache)
         except BaseException:
@@ -131,3 +132,18 @@ def _page_source(config: KvtierConfig, lm: CausalLM, prefix_cache: Any) -> Any:
 
     layout = lm.kv_layout(config.cache.page_size)
     return PlainPages(DevicePool.from_config(config.cache, layout, str(lm.device)))
+
+
+def _decode_graphs(config: KvtierConfig, lm: CausalLM, pages: Any) -> Any:
+    """Captured batched decodes on CUDA (``engine.decode_graph_batch`` > 0, a model whose
+    forward is embedding, rotary, layers, norm and head); else None (every step eager)."""
+    if config.engine.decode_graph_batch <= 0 or lm.device.type != "cuda":
+        return None
+    from kvtier.engine import graphs
+    from kvtier.engine.decode_graphs import DecodeGraphs
+
+    reason = graphs.unsupported_reason(lm)
+    if reason is not None:
+        log.info("decode graphs off: %s", reason)
+        return None
+    return DecodeGraphs(lm, config.engine.decode_graph_batch, pages.scratch_page)
