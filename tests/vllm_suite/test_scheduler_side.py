@@ -75,6 +75,8 @@ def test_a_different_cache_salt_is_not_claimed(scheduler):
     _, out = _admit(scheduler, tokens, salt="tenant-b")
     assert out.scheduled_new_reqs[0].num_computed_tokens == 0
     assert out.kv_connector_metadata.loads == []
+    _, same_tenant = _admit(scheduler, tokens, salt="tenant-a")
+    assert same_tenant.scheduled_new_reqs[0].num_computed_tokens == 96
 
 
 def test_the_prompt_is_saved_once_when_its_chunked_prefill_completes(scheduler):
@@ -159,6 +161,11 @@ def test_rows_saved_from_vllm_blocks_load_back_into_other_blocks_exactly(schedul
         worker.save_kv_layer(saving, name, kv)
     worker.wait_for_save()
     assert runtime.counts["saved_tokens"] == 96
+    (event,) = scheduler.connector.take_events()
+    assert type(event).__name__ == "BlockStored" and event.medium == "kvtier"
+    assert len(event.block_hashes) == 3 and all(len(h) == 32 for h in event.block_hashes)
+    assert event.token_ids == tokens and event.block_size == BLOCK
+    assert list(scheduler.connector.take_events()) == []
     with runtime.lock:
         runtime.staged["r"] = runtime.cache.load(runtime.cache.match(tokens))
     target = {n: torch.zeros(64, 2, BLOCK, 64) for n in runtime.shape.layer_names}
