@@ -21,8 +21,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 VENV = ROOT / ".venv-vllm"
 SUITE = ROOT / "tests" / "vllm_suite"
-#: Tests the suite holds (fewer passed means some did not run).
-MIN_TESTS = 10
+#: Fewer passed means part of the suite did not run (it holds 28; 23 without redis-server).
+MIN_TESTS = 20
 
 
 def _tail(text: str, lines: int = 40) -> str:
