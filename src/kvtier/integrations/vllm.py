@@ -100,7 +100,12 @@ def _attention_backend(vllm_config: Any, runtime: ConnectorRuntime) -> tuple[str
     """The attention backend's name, and on the CPU vLLM's cache-write op (to prove the layout)."""
     layers = vllm_config.compilation_config.static_forward_context
     layer = layers.get(runtime.shape.layer_names[0])
-    backend = layer.attn_backend.get_name() if layer is not None else "CPU_ATTN"
+    if layer is None or not hasattr(layer, "attn_backend"):
+        from kvtier.errors import KvtierError
+
+        raise KvtierError(f"vLLM has no attention layer {runtime.shape.layer_names[0]!r} "
+                          "to read the attention backend from")
+    backend = layer.attn_backend.get_name()
     if not backend.upper().startswith("CPU"):
         return backend, None
     from vllm import _custom_ops as ops
