@@ -7,6 +7,7 @@ STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 TORCH_PIN := torch==2.13.0
 VENV_SGLANG := .venv-sglang
+VENV_VLLM := .venv-vllm
 
 .PHONY: install install-test run test lint unit clean
 
@@ -35,6 +36,12 @@ $(VENV_SGLANG)/.installed: scripts/setup_sglang_env.sh pyproject.toml
 	PYTHON=$(PYTHON) bash scripts/setup_sglang_env.sh $(VENV_SGLANG) \
 		|| echo "warning: $(VENV_SGLANG) could not be built; the SGLang plug-in tests will skip"
 
+# vLLM 0.32.0 (CPU build) in its own environment, for the vLLM plug-in's tests. If it cannot be
+# built here, tests/test_vllm_integration.py skips and says why.
+$(VENV_VLLM)/.installed: scripts/setup_vllm_env.sh pyproject.toml
+	PYTHON=$(PYTHON) bash scripts/setup_vllm_env.sh $(VENV_VLLM) \
+		|| echo "warning: $(VENV_VLLM) could not be built; the vLLM plug-in tests will skip"
+
 # Serves the OpenAI API on the embedded tiny model, disk tier under ./data/disk; it prints how to
 # call it (curl and the openai client) once it listens. Ctrl-C stops it.
 run: install
@@ -55,7 +62,7 @@ lint: install-test
 unit: install-test
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
 
-test: lint unit
+test: $(VENV_VLLM)/.installed lint unit
 
 clean:
-	rm -rf $(VENV) $(VENV_SGLANG) .pytest_cache .ruff_cache .mypy_cache .hypothesis
+	rm -rf $(VENV) $(VENV_SGLANG) $(VENV_VLLM) .pytest_cache .ruff_cache .mypy_cache .hypothesis

@@ -1,0 +1,114 @@
+"""TTFT of a repeated long prefix in vLLM (CPU backend) with and without kvtier's connector.
+
+Runs inside ``.venv-vllm`` (``bash scripts/setup_vllm_env.sh``)::
+
+    .venv-vllm/bin/python benchmarks/bench_vllm.py [--prompts 4] [--tokens 1536]
+
+Three vLLM engine processes, one after the other, on a random-weight Llama built locally
+(8 layers, 512 wide, 8 KV heads of 64; no download), greedy, one output token per request so a
+request's wall time is its TTFT:
+
+1. vLLM alone, its prefix cache on: distinct prompts (recompute), then the same prompts again
+   (vLLM's own prefix-cache hit);
+2. vLLM with the connector (disk tier), its own prefix cache off: other distinct prompts (the
+   miss path, which also stores each prompt), then those prompts again (served from kvtier's
+   staging and host tiers);
+3. a fresh vLLM process with the connector on the same disk tier, its prefix cache off: the
+   prompts of run 2 (served from kvtier's disk tier, read back through the page cache).
+
+Each process first runs one warm-up prompt that is not counted. Reports medians per case, the
+miss-path overhead (case 2a against 1a), and the connector's own time per stored request
+(layer copies and commits, from its counters). Writes ``benchmarks/results/vllm_cpu.json`` and
+``.txt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "tests" / "vllm_suite"))
+
+from vllm_helpers import build_model, prompts, run_scenario  # noqa: E402
+
+from kvtier.machine import format_table, write_report  # noqa: E402
+
+MODEL_SHAPE = {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8,
+               "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 64}
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _steps(warmup: list[int], *groups: list[list[int]]) -> list[dict[str, Any]]:
+    steps = [{"prompts": [{"tokens": warmup}], "max_tokens": 1}]
+    steps += [{"prompts": [{"tokens": p} for p in group], "max_tokens": 1} for group in groups]
+    return steps
+
+
+def _median_ms(results: list[dict[str, Any]]) -> float:
+    return statistics.median(r["seconds"] for r in results) * 1e3
+
+
+def run(n_prompts: int, tokens: int, work: Path) -> dict[str, Any]:
+    model = build_model(work / "model", **MODEL_SHAPE)
+    base = {"model": str(model), "max_model_len": tokens + 64, "block_size": 128,
+            "kv_cache_memory_bytes": 512 << 20}
+    first, second = prompts(n_prompts, tokens, seed=1), prompts(n_prompts, tokens, seed=2)
+    warm = prompts(3, tokens, seed=3)
+    tiers = {"disk_url": f"file://{work / 'disk'}", "host_pool_bytes": "512MiB",
+             "staging_pages": 64}
+    alone = run_scenario(dict(base, connector=None, steps=_steps(warm[0], first, first)), work)
+    stored = run_scenario(dict(base, connector=tiers, prefix_caching=False,
+                               steps=_steps(warm[1], second, second)), work)
+    fresh = run_scenario(dict(base, connector=tiers, prefix_caching=False,
+                              steps=_steps(warm[2], second)), work)
+    cases = {
+        "recompute (vLLM alone, cold)": alone["steps"][1],
+        "vLLM prefix-cache hit": alone["steps"][2],
+        "kvtier miss + store": stored["steps"][1],
+        "kvtier host hit": stored["steps"][2],
+        "kvtier disk hit (fresh process)": fresh["steps"][1],
+    }
+    counts = stored["connector"]
+    saved = max(1, (counts.get("saved_tokens", 0) // max(1, tokens // 128 * 128)))
+    return {
+        "prompts": n_prompts, "prompt_tokens": tokens, "model_shape": MODEL_SHAPE,
+        "cases": {name: {"ttft_ms_median": _median_ms(r),
+                         "cached_tokens": [x["num_cached_tokens"] for x in r],
+                         "computed_tokens": [x["computed_tokens"] for x in r]}
+                  for name, r in cases.items()},
+        "miss_path_overhead": _median_ms(stored["steps"][1]) / _median_ms(alone["steps"][1]) - 1,
+        "write_path_ms_per_request": (counts.get("save_copy_us", 0)
+                                      + counts.get("save_commit_us", 0)) / 1e3 / saved,
+        "connector_counters": {"store_run": counts, "fresh_run": fresh["connector"]},
+        "engine_start_s": [alone["load_seconds"], stored["load_seconds"], fresh["load_seconds"]],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=1536)
+    parser.add_argument("--out", default=str(RESULTS / "vllm_cpu.json"))
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-vllm-") as tmp:
+        data = run(args.prompts, args.tokens, Path(tmp))
+    rows = [[name, case["ttft_ms_median"], statistics.mean(case["cached_tokens"]),
+             statistics.mean(case["computed_tokens"])] for name, case in data["cases"].items()]
+    table = format_table(["case", "TTFT ms (median)", "cached tokens", "computed tokens"], rows)
+    summary = (f"{table}\n\nmiss-path overhead (miss + store vs recompute): "
+               f"{data['miss_path_overhead'] * 100:+.1f}%\n"
+               f"connector time per stored request (layer copies + commit): "
+               f"{data['write_path_ms_per_request']:.2f} ms\n")
+    print(summary)
+    out = write_report(args.out, "bench_vllm", data)
+    out.with_suffix(".txt").write_text(summary)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""kvtier as a vLLM 0.32 KV connector: ``KvtierConnector`` (``KVConnectorBase_V1``).
+
+Load it with (see README, "vLLM")::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvtierConnector",
+      "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"disk_url": "file:///nvme/kvtier"}}'
+
+vLLM builds one instance per role with ``(vllm_config, role, kv_cache_config)``. Both share one
+``ConnectorRuntime`` (``vllm_runtime``: the ``TieredCache``, checks of the model and the
+parallel setup, refusals at start); the scheduler role delegates to ``SchedulerSide``
+(``vllm_scheduler``), the worker role to ``WorkerSide`` (``vllm_worker``). Options:
+``vllm_options``; KV tensor layouts: ``vllm_layout``; events: ``vllm_events``. Each method runs
+on the thread vLLM calls it from (scheduling loop or model runner).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvtier.integrations.vllm_options import parse_connector_config
+from kvtier.integrations.vllm_runtime import ConnectorRuntime, runtime_for
+from kvtier.integrations.vllm_scheduler import KvtierConnectorMetadata, SchedulerSide
+from kvtier.integrations.vllm_worker import WorkerSide
+
+__all__ = ["KvtierConnector", "KvtierConnectorMetadata"]
+
+
+class KvtierConnector(KVConnectorBase_V1):
+    """kvtier's tiers (host, disk, Redis) behind vLLM's paged KV cache."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        options = parse_connector_config(
+            self._kv_transfer_config.kv_connector_extra_config, block_size)
+        self.runtime: ConnectorRuntime = runtime_for(vllm_config, kv_cache_config, options)
+        self.scheduler = SchedulerSide(self.runtime) if role == KVConnectorRole.SCHEDULER else None
+        self.worker = WorkerSide(self.runtime) if role == KVConnectorRole.WORKER else None
+
+    # ---- worker side -----------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        backend, write_op = _attention_backend(self._vllm_config, self.runtime)
+        self.worker.register_kv_caches(kv_caches, backend, write_op)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvtierConnectorMetadata)
+        self.worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.worker.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        self.worker.save_kv_layer(self._get_connector_metadata(), layer_name, kv_layer)
+
+    def wait_for_save(self) -> None:
+        if self.has_connector_metadata():
+            self.worker.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, None                  # loads and saves complete inside the step
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.get_block_ids_with_load_errors()
+
+    def shutdown(self) -> None:
+        self.runtime.close()
+
+    # ---- scheduler side --------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict:
+        return self.scheduler.get_external_cache_hit_sources(request, num_external_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        return self.scheduler.request_finished(request, block_ids)
+
+    def take_events(self) -> Iterable[Any]:
+        return self.runtime.events.take()
+
+
+def _attention_backend(vllm_config: Any, runtime: ConnectorRuntime) -> tuple[str, Any]:
+    """The attention backend's name, and on the CPU vLLM's cache-write op (to prove the layout)."""
+    layers = vllm_config.compilation_config.static_forward_context
+    layer = layers.get(runtime.shape.layer_names[0])
+    if layer is None or not hasattr(layer, "attn_backend"):
+        from kvtier.errors import KvtierError
+
+        raise KvtierError(f"vLLM has no attention layer {runtime.shape.layer_names[0]!r} "
+                          "to read the attention backend from")
+    backend = layer.attn_backend.get_name()
+    if not backend.upper().startswith("CPU"):
+        return backend, None
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    shape = runtime.shape
+    isa = _get_attn_isa(getattr(torch, shape.dtype), shape.block_size, shape.head_dim)
+
+    def write(keys, values, key_cache, value_cache, slots):
+        ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, isa,
+                                       k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    return backend, write

@@ -1,0 +1,81 @@
+"""Options of kvtier's vLLM connector, read from ``kv_connector_extra_config``.
+
+Owns ``VllmConnectorOptions`` (frozen) and ``parse_connector_config``. vLLM hands the connector
+one flat JSON object; every key is checked, so a typo is refused at start naming the key, the
+value and what is allowed::
+
+    {"disk_url": "file:///nvme/kvtier", "remote_url": "redis://10.0.0.5:6379/0",
+     "page_size": 64, "host_pool_bytes": "4GiB", "staging_pages": 512}
+
+Store keys are the fields of kvtier's ``store`` config section (same names, checks and defaults);
+``config`` names a kvtier YAML file read first, and ``KVTIER_*`` environment variables apply as
+everywhere else. Pure Python, no torch or vLLM imports; runs on the thread that builds the
+connector.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kvtier.config import KvtierConfig, StoreConfig, build_config
+from kvtier.errors import ConfigError
+
+STORE_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(StoreConfig))
+
+#: Connector keys that set a kvtier config field directly.
+CONFIG_KEYS: dict[str, str] = {
+    "page_size": "cache.page_size",
+    "staging_pages": "cache.device_pages",
+    "eviction_policy": "cache.eviction_policy",
+    "host_pool_bytes": "host.pool_bytes",
+    "pinned_budget_bytes": "host.pinned_budget_bytes",
+    "write_policy": "controller.write_policy",
+    "prefetch_timeout_max_s": "controller.prefetch_timeout_max_s",
+    "io_workers": "controller.io_workers",
+}
+
+#: Staging pages (kvtier's own page pool between vLLM's blocks and the host tier) when unset.
+DEFAULT_STAGING_PAGES = 256
+
+
+@dataclass(frozen=True)
+class VllmConnectorOptions:
+    """Everything the connector needs besides vLLM's own config."""
+
+    config: KvtierConfig
+    #: Identifies the weights beyond vLLM's model name, so two fine-tunes never share pages.
+    model_fingerprint: str = ""
+    #: kvtier page size taken from vLLM's block size (no ``page_size`` key given).
+    page_size_from_block: bool = True
+
+    @property
+    def store(self) -> StoreConfig:
+        return self.config.store
+
+
+_OWN_KEYS = ("config", "model_fingerprint")
+
+
+def parse_connector_config(extra: Mapping[str, Any] | None, block_size: int,
+                           env: Mapping[str, str] | None = None) -> VllmConnectorOptions:
+    """Options from vLLM's extra config (``None`` gives defaults: host tier only)."""
+    section = dict(extra or {})
+    unknown = sorted(set(section) - set(STORE_FIELDS) - set(CONFIG_KEYS) - set(_OWN_KEYS))
+    if unknown:
+        allowed = ", ".join([*_OWN_KEYS, *STORE_FIELDS, *CONFIG_KEYS])
+        raise ConfigError("kv_connector_extra_config", unknown, f"known keys: {allowed}")
+    flags: dict[str, Any] = {f"store.{k}": v for k, v in section.items() if k in STORE_FIELDS}
+    flags.update({CONFIG_KEYS[k]: v for k, v in section.items() if k in CONFIG_KEYS})
+    flags.setdefault("cache.page_size", block_size)
+    flags.setdefault("cache.device_pages", DEFAULT_STAGING_PAGES)
+    fingerprint = section.get("model_fingerprint", "")
+    if not isinstance(fingerprint, str):
+        raise ConfigError("kv_connector_extra_config.model_fingerprint", fingerprint, "a string")
+    config = build_config(section.get("config"), env, flags)
+    if config.host.pool_bytes == 0:
+        raise ConfigError("host_pool_bytes", 0, "a host pool of at least one page: the "
+                          "connector stages every hit there before claiming it")
+    return VllmConnectorOptions(config=config, model_fingerprint=fingerprint,
+                                page_size_from_block="page_size" not in section)

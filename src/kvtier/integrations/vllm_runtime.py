@@ -1,0 +1,180 @@
+"""The one ``TieredCache`` an engine's two connector halves share, and what it is built from.
+
+Owns ``ModelShape`` (what vLLM's KV cache config says about the model, checked: one group of
+full-attention layers, or a clear refusal), ``ConnectorRuntime`` (the cache, its lock, the hits
+staged for requests waiting to be scheduled, counters) and ``runtime_for()``, a per-process
+registry keyed by vLLM's engine id. vLLM builds the scheduler half and the worker half of a
+connector separately; with one worker (``distributed_executor_backend="uni"``, vLLM's choice
+for a single rank) both live in the engine-core process, so they find the same runtime here.
+Several ranks would each need their own view of the host tier, which this runtime does not
+give: they are refused at start naming the setting.
+
+Every method takes the lock: vLLM calls the scheduler half from its scheduling loop and the
+worker half from the model runner, which may be another thread under async scheduling.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import logging
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.errors import ConfigError
+from kvtier.integrations.vllm_events import EventLog
+from kvtier.integrations.vllm_options import VllmConnectorOptions
+from kvtier.keys import KeyNamespace
+from kvtier.layout import KVLayout
+
+log = logging.getLogger(__name__)
+
+#: Seconds the exit hook waits for queued store writes before closing the stores.
+EXIT_DRAIN_S = 10.0
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The attention KV of the served model as vLLM's KV cache config lays it out."""
+
+    model: str
+    layer_names: tuple[str, ...]
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    block_size: int
+
+    def layout(self, page_size: int) -> KVLayout:
+        return KVLayout(len(self.layer_names), self.kv_heads, self.head_dim, self.dtype, page_size)
+
+
+def model_shape(vllm_config: Any, kv_cache_config: Any) -> ModelShape:
+    """Read and check the model's KV geometry; refuse what kvtier cannot restore exactly."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    parallel = vllm_config.parallel_config
+    if parallel.world_size != 1:
+        raise ConfigError("tensor_parallel_size x pipeline_parallel_size", parallel.world_size,
+                          "1 (kvtier's vLLM connector serves a single-rank engine)")
+    groups = [g for g in kv_cache_config.kv_cache_groups if g.enable_kv_transfer]
+    specs = [g.kv_cache_spec for g in groups]
+    if len(groups) != 1 or type(specs[0]) is not FullAttentionSpec or isinstance(
+            specs[0], MLAAttentionSpec) or specs[0].sliding_window or specs[0].attention_chunk_size:
+        kinds = [type(s).__name__ + (f"(window={s.sliding_window})"
+                                     if getattr(s, "sliding_window", None) else "") for s in specs]
+        raise ConfigError("model KV cache groups", kinds, "one group of full-attention layers "
+                          "(hybrid, sliding-window, chunked-local and MLA models are refused: "
+                          "a hit kvtier cannot restore exactly would give wrong tokens)")
+    spec = specs[0]
+    if spec.head_size_v != spec.head_size:
+        raise ConfigError("head_size_v", spec.head_size_v, f"equal to head_size {spec.head_size}")
+    return ModelShape(model=str(vllm_config.model_config.model),
+                      layer_names=tuple(groups[0].layer_names), kv_heads=spec.num_kv_heads,
+                      head_dim=spec.head_size, dtype=str(spec.dtype).removeprefix("torch."),
+                      block_size=spec.block_size)
+
+
+def model_fingerprint(vllm_config: Any, given: str) -> str:
+    """The user's fingerprint, else a digest of the model's config and revision."""
+    if given:
+        return given
+    model_config = vllm_config.model_config
+    text = model_config.hf_config.to_json_string() + str(model_config.revision)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+class ConnectorRuntime:
+    """The shared cache and the per-request state both halves of the connector read."""
+
+    def __init__(self, options: VllmConnectorOptions, shape: ModelShape, cache: Any,
+                 namespace: KeyNamespace) -> None:
+        self.options = options
+        self.shape = shape
+        self.cache = cache
+        self.namespace = namespace
+        self.lock = threading.RLock()
+        self.staged: dict[str, Any] = {}      # request id -> kvtier Loaded, until its load ran
+        self.counts: Counter[str] = Counter()
+        self.events = EventLog()
+        self._closed = False
+
+    @property
+    def page_size(self) -> int:
+        return self.cache.page_size
+
+    def take_staged(self, req_id: str) -> Any:
+        with self.lock:
+            return self.staged.pop(req_id, None)
+
+    def release_staged(self, req_id: str) -> None:
+        with self.lock:
+            loaded = self.staged.pop(req_id, None)
+            if loaded is not None:
+                self.cache.release(loaded)
+
+    def stats(self) -> dict[str, Any]:
+        with self.lock:
+            return {"connector": dict(self.counts), "cache": self.cache.stats()}
+
+    def close(self, timeout_s: float = EXIT_DRAIN_S) -> None:
+        """Let queued writes reach the stores, then close them (idempotent)."""
+        with self.lock:
+            if self._closed:
+                return
+            self._closed = True
+            for loaded in self.staged.values():
+                self.cache.release(loaded)
+            self.staged.clear()
+            if not self.cache.drain(timeout_s):
+                log.warning("kvtier: store writes still in flight after %.1f s at close", timeout_s)
+            self.cache.close()
+
+
+_RUNTIMES: dict[str, ConnectorRuntime] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+def runtime_for(vllm_config: Any, kv_cache_config: Any,
+                options: VllmConnectorOptions) -> ConnectorRuntime:
+    """The engine's runtime, built by whichever connector half asks first."""
+    engine_id = str(vllm_config.kv_transfer_config.engine_id)
+    with _REGISTRY_LOCK:
+        runtime = _RUNTIMES.get(engine_id)
+        if runtime is None or runtime._closed:
+            runtime = _build(vllm_config, kv_cache_config, options)
+            _RUNTIMES[engine_id] = runtime
+        return runtime
+
+
+def _build(vllm_config: Any, kv_cache_config: Any,
+           options: VllmConnectorOptions) -> ConnectorRuntime:
+    from kvtier.cache import TieredCache
+
+    backend = vllm_config.parallel_config.distributed_executor_backend
+    if backend not in (None, "uni"):
+        raise ConfigError("distributed_executor_backend", backend, "uni: a single worker in the "
+                          "engine-core process (on vLLM's CPU backend, which otherwise starts "
+                          "its worker as a process of its own, set "
+                          "VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+    shape = model_shape(vllm_config, kv_cache_config)
+    page_size = options.config.cache.page_size
+    layout = shape.layout(page_size)
+    namespace = KeyNamespace(shape.model, model_fingerprint(vllm_config, options.model_fingerprint),
+                             shape.dtype, layout.fingerprint(), page_size)
+    device = "cuda" if vllm_config.device_config.device_type == "cuda" else "cpu"
+    cache = TieredCache.build(options.config, layout, namespace, device=device)
+    runtime = ConnectorRuntime(options, shape, cache, namespace)
+    atexit.register(runtime.close)
+    log.info("kvtier connector: %d layers x %d heads x %d, %s, page %d tokens (vLLM block %d), "
+             "stores %s", len(shape.layer_names), shape.kv_heads, shape.head_dim, shape.dtype,
+             page_size, shape.block_size, [t for t, u in (("disk", options.store.disk_url),
+                                                    ("remote", options.store.remote_url)) if u])
+    return runtime
+
+
+def runtimes() -> list[ConnectorRuntime]:
+    """The open runtimes of this process (tests and benchmarks read their counters)."""
+    with _REGISTRY_LOCK:
+        return [r for r in _RUNTIMES.values() if not r._closed]

@@ -1,0 +1,200 @@
+"""The scheduler half of kvtier's vLLM connector: which tokens to load and which to store.
+
+Owns ``SchedulerSide`` and the per-step ``KvtierConnectorMetadata`` it builds (``LoadSpec`` and
+``SaveSpec``). Runs on vLLM's scheduling thread, over request ids, token ids and block ids only.
+
+A hit is claimed only once it can be delivered: ``get_num_new_matched_tokens`` matches the
+prompt in kvtier's index over every tier (keys seeded with the request's ``cache_salt``) and
+then *loads* the hit into kvtier's staging pages right away, so every page has been read from
+its store and verified against the tokens it was computed for before vLLM hears a number. A
+page that is missing, corrupt or behind a dead store shortens the claim instead of failing the
+request later (vLLM 0.32's default ``kv_load_failure_policy`` ends a request on a reported load
+error). The worker half then only copies staged rows into vLLM's blocks, layer by layer.
+
+A request's prompt is stored once, in the step its prefill completes (every full kvtier page
+of it; decode tokens are not stored), unless kvtier already held all of it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvtier.integrations.vllm_runtime import ConnectorRuntime
+
+#: Which vLLM hit source each kvtier tier reports as (kvtier's staging pages are host memory).
+TIER_SOURCES: dict[str, CacheHitSource] = {
+    "device": CacheHitSource.HOST, "host": CacheHitSource.HOST,
+    "disk": CacheHitSource.DISK, "remote": CacheHitSource.EXTERNAL_UNSPECIFIED,
+}
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Copy tokens ``[start, end)`` of a request from its staged pages into ``block_ids``."""
+
+    req_id: str
+    start: int
+    end: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    """Store the full pages of ``tokens`` (a prompt prefix) from ``block_ids``."""
+
+    req_id: str
+    tokens: tuple[int, ...]
+    salt: str | None
+    block_ids: tuple[int, ...]
+
+
+@dataclass
+class KvtierConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:
+    request: Any
+    blocks: list[int] = field(default_factory=list)
+    claim: tuple[int, int] | None = None           # tokens [start, end) claimed from kvtier
+    sources: dict[CacheHitSource, int] = field(default_factory=dict)
+    stored: bool = False
+    held: int = 0                                  # prompt tokens kvtier staged (it holds them)
+
+
+class SchedulerSide:
+    """See the module docstring."""
+
+    def __init__(self, runtime: ConnectorRuntime) -> None:
+        self.runtime = runtime
+        self._tracked: dict[str, _Tracked] = {}
+        self._loads: list[LoadSpec] = []
+
+    # ---- admission -------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        rt = self.runtime
+        tracked = self._tracked.setdefault(request.request_id, _Tracked(request))
+        prompt = list(request.prompt_token_ids or ())
+        limit = len(prompt) - 1          # vLLM computes at least the last prompt token
+        with rt.lock:
+            loaded = rt.staged.get(request.request_id)
+            if loaded is None:
+                loaded = self._stage(tracked, prompt, request.cache_salt, num_computed_tokens)
+            end = min(loaded.tokens, limit) if loaded is not None else 0
+        if end <= num_computed_tokens:
+            rt.release_staged(request.request_id)
+            tracked.claim = None
+            return 0, False
+        tracked.claim = (num_computed_tokens, end)
+        return end - num_computed_tokens, False
+
+    def _stage(self, tracked: _Tracked, prompt: list[int], salt: str | None,
+               num_computed_tokens: int) -> Any:
+        rt, cache = self.runtime, self.runtime.cache
+        rt.counts["lookups"] += 1
+        started = time.perf_counter()
+        hit = cache.match(prompt, salt)
+        if min(hit.tokens, len(prompt) - 1) <= num_computed_tokens:
+            rt.counts["lookup_us"] += int((time.perf_counter() - started) * 1e6)
+            return None
+        loaded = cache.load(hit)
+        rt.counts["lookup_us"] += int((time.perf_counter() - started) * 1e6)
+        rt.counts["matched_tokens"] += hit.tokens
+        rt.counts["staged_tokens"] += loaded.tokens
+        rt.counts["unverified_or_missing_tokens"] += hit.tokens - loaded.tokens
+        tracked.sources = _sources(hit.tokens_by_tier, num_computed_tokens,
+                                   min(loaded.tokens, len(prompt) - 1))
+        tracked.held = loaded.tokens
+        rt.staged[tracked.request.request_id] = loaded
+        return loaded
+
+    def get_external_cache_hit_sources(self, request: Any,
+                                       num_external_tokens: int) -> dict[CacheHitSource, int]:
+        tracked = self._tracked.get(request.request_id)
+        if not num_external_tokens or tracked is None or not tracked.sources:
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens} \
+                if num_external_tokens else {}
+        if sum(tracked.sources.values()) == num_external_tokens:
+            return dict(tracked.sources)
+        return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        tracked = self._tracked.setdefault(request.request_id, _Tracked(request))
+        tracked.blocks = list(blocks.get_block_ids()[0])
+        if num_external_tokens == 0 or tracked.claim is None:
+            self.runtime.release_staged(request.request_id)
+            tracked.claim = None
+            return
+        start, _ = tracked.claim
+        tracked.claim = (start, start + num_external_tokens)
+        self.runtime.counts["claimed_tokens"] += num_external_tokens
+        self._loads.append(LoadSpec(request.request_id, start, start + num_external_tokens,
+                                    tuple(tracked.blocks)))
+
+    # ---- each step -------------------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output: Any) -> KvtierConnectorMetadata:
+        with self.runtime.lock:
+            self.runtime.cache.poll()
+        meta = KvtierConnectorMetadata(loads=self._loads)
+        self._loads = []
+        for new in scheduler_output.scheduled_new_reqs:
+            tracked = self._tracked.get(new.req_id)
+            if tracked is not None:
+                tracked.blocks = list(new.block_ids[0])
+                self._maybe_save(meta, tracked, new.num_computed_tokens,
+                                 scheduler_output.num_scheduled_tokens.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                tracked.blocks = list(new_blocks[0]) if new_blocks else []
+            elif new_blocks:
+                tracked.blocks.extend(new_blocks[0])
+            self._maybe_save(meta, tracked, cached.num_computed_tokens[i],
+                             scheduler_output.num_scheduled_tokens.get(req_id, 0))
+        return meta
+
+    def _maybe_save(self, meta: KvtierConnectorMetadata, tracked: _Tracked, computed: int,
+                    scheduled: int) -> None:
+        request = tracked.request
+        prompt = request.prompt_token_ids or ()
+        if tracked.stored or computed + scheduled < len(prompt):
+            return
+        tracked.stored = True
+        full = len(prompt) // self.runtime.page_size * self.runtime.page_size
+        if full == 0 or tracked.held >= full:
+            return
+        block_size = self.runtime.shape.block_size
+        blocks = tuple(tracked.blocks[: -(-full // block_size)])
+        meta.saves.append(SaveSpec(request.request_id, tuple(prompt[:full]), request.cache_salt,
+                                   blocks))
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, None]:
+        """Saves copy out of vLLM's blocks inside the step, so the blocks are free at once."""
+        self._tracked.pop(request.request_id, None)
+        self.runtime.release_staged(request.request_id)
+        return False, None
+
+
+def _sources(tokens_by_tier: dict[str, int], start: int, end: int) -> dict[CacheHitSource, int]:
+    """Tokens of ``[start, end)`` by the vLLM hit source of the tier that held them."""
+    out: dict[CacheHitSource, int] = {}
+    at = 0
+    for tier in ("device", "host", "disk", "remote"):
+        span = tokens_by_tier.get(tier, 0)
+        overlap = min(end, at + span) - max(start, at)
+        if overlap > 0:
+            source = TIER_SOURCES[tier]
+            out[source] = out.get(source, 0) + overlap
+        at += span
+    return out

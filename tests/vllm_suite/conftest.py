@@ -1,0 +1,33 @@
+"""Fixtures for the vLLM plug-in suite: a tiny random Llama on disk and a Redis server.
+
+This suite runs inside ``.venv-vllm`` (built by ``scripts/setup_vllm_env.sh``), where vLLM
+0.32.0's CPU build imports; ``tests/test_vllm_integration.py`` runs it there from the main
+suite. Under any other interpreter (no vLLM) these files are not collected.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+# vLLM's CPU platform turns a single worker into a separate process unless this is 0; the
+# connector's two halves must share the engine-core process (``vllm_runtime``).
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/redis_server.py
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    return True if not HAVE_VLLM else None
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from vllm_helpers import build_model
+
+    return build_model(tmp_path_factory.mktemp("tiny-llama"))

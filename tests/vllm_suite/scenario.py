@@ -1,0 +1,112 @@
+"""One vLLM engine run for the vLLM plug-in's end-to-end tests and benchmark (a subprocess each).
+
+``python scenario.py SPEC.json OUT.json``: builds ``vllm.LLM`` on the CPU backend in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, capped KV memory, eager), optionally with kvtier's
+connector, generates greedily for the spec's prompts (token ids, optional ``cache_salt``), and
+writes per request the output tokens, vLLM's ``num_cached_tokens``, the prompt tokens the model
+really ran through its embedding (a forward hook), and the connector's counters. Run as a
+script only: vLLM changes torch's thread count in the process that hosts it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def _llm(spec: dict[str, Any]) -> Any:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    transfer = None
+    if spec.get("connector") is not None:
+        transfer = KVTransferConfig(kv_connector="KvtierConnector",
+                                    kv_connector_module_path="kvtier.integrations.vllm",
+                                    kv_role="kv_both",
+                                    kv_connector_extra_config=spec["connector"])
+    return LLM(model=spec["model"], dtype="float32", max_model_len=spec.get("max_model_len", 2048),
+               enforce_eager=True, kv_transfer_config=transfer, seed=0,
+               block_size=spec.get("block_size", 128),
+               enable_prefix_caching=spec.get("prefix_caching", True),
+               kv_cache_memory_bytes=spec.get("kv_cache_memory_bytes", 256 << 20),
+               disable_log_stats=False)
+
+
+class _Counter:
+    """Counts the tokens the model's embedding sees (what vLLM really computed)."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+
+    def hook(self, module: Any, args: Any, output: Any) -> None:
+        self.tokens += int(args[0].numel())
+
+
+def _install_counter(llm: Any, counter: _Counter) -> None:
+    def install(model: Any) -> None:
+        model.model.embed_tokens.register_forward_hook(counter.hook)
+    llm.apply_model(install)
+
+
+def _connector_stats() -> dict[str, Any]:
+    try:
+        from kvtier.integrations.vllm_runtime import runtimes
+    except ImportError:
+        return {}
+    found = runtimes()
+    return found[0].stats()["connector"] if found else {}
+
+
+def _run_step(llm: Any, counter: _Counter, step: dict[str, Any]) -> list[dict[str, Any]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0.0,
+                            ignore_eos=True)
+    results = []
+    for prompt in step["prompts"]:
+        request: dict[str, Any] = {"prompt_token_ids": prompt["tokens"]}
+        if prompt.get("salt"):
+            request["cache_salt"] = prompt["salt"]
+        before = counter.tokens
+        started = time.perf_counter()
+        out = llm.generate([request], params, use_tqdm=False)[0]
+        results.append({"tokens": list(out.outputs[0].token_ids),
+                        "num_cached_tokens": out.num_cached_tokens or 0,
+                        "computed_tokens": counter.tokens - before,
+                        "seconds": time.perf_counter() - started})
+    return results
+
+
+def main(spec_path: str, out_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    started = time.perf_counter()
+    llm = _llm(spec)
+    counter = _Counter()
+    _install_counter(llm, counter)
+    out: dict[str, Any] = {"load_seconds": time.perf_counter() - started, "steps": []}
+    for step in spec["steps"]:
+        if step.get("action"):
+            _act(step["action"])
+            continue
+        out["steps"].append(_run_step(llm, counter, step))
+    out["connector"] = _connector_stats()
+    Path(out_path).write_text(json.dumps(out))
+
+
+def _act(action: dict[str, Any]) -> None:
+    """Side effects between steps, e.g. stopping the Redis server the remote tier uses."""
+    if action.get("kill_pid"):
+        os.kill(int(action["kill_pid"]), 9)
+        time.sleep(0.2)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

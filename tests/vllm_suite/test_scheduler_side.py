@@ -1,0 +1,184 @@
+"""The connector's scheduler half under vLLM's real ``Scheduler`` (no model runs).
+
+Pages are put into kvtier directly (``fill_kvtier``); the tests check what vLLM schedules from
+the connector's answers: claimed tokens, load and save plans, hit sources, refusals at start, and
+what happens when a staged load is lost before the worker copies it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from scheduler_harness import (
+    fill_kvtier,
+    make_kv_cache_config,
+    make_request,
+    make_scheduler,
+    make_vllm_config,
+    runner_output,
+)
+
+from kvtier.errors import ConfigError
+
+BLOCK = 32
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture
+def scheduler(tiny_model: Path, tmp_path: Path):
+    config = make_vllm_config(tiny_model, {"disk_url": f"file://{tmp_path / 'disk'}",
+                                           "host_pool_bytes": "8MiB", "staging_pages": 64},
+                              block_size=BLOCK, max_batched=64)
+    sched = make_scheduler(config, make_kv_cache_config(BLOCK))
+    yield sched
+    sched.connector.runtime.close()
+
+
+def _prompt(n: int, start: int = 10) -> list[int]:
+    return [start + i % 900 for i in range(n)]
+
+
+def _admit(scheduler, tokens: list[int], salt: str | None = None):
+    request = make_request(tokens, BLOCK, salt)
+    scheduler.add_request(request)
+    return request, scheduler.schedule()
+
+
+def test_stored_pages_are_claimed_and_planned_as_one_load(scheduler):
+    tokens = _prompt(100)
+    fill_kvtier(scheduler.connector.runtime, tokens)
+    request, out = _admit(scheduler, tokens)
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 96     # three full 32-token pages
+    assert out.num_scheduled_tokens[request.request_id] == 4
+    (load,) = out.kv_connector_metadata.loads
+    assert (load.req_id, load.start, load.end) == (request.request_id, 0, 96)
+    assert list(load.block_ids[:3]) == list(out.scheduled_new_reqs[0].block_ids[0][:3])
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    assert scheduler.connector.get_external_cache_hit_sources(request, 96) == {
+        CacheHitSource.HOST: 96}
+
+
+def test_a_fully_stored_prompt_leaves_its_last_token_to_compute(scheduler):
+    tokens = _prompt(96)
+    fill_kvtier(scheduler.connector.runtime, tokens)
+    request, out = _admit(scheduler, tokens)
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 95
+    assert out.num_scheduled_tokens[request.request_id] == 1
+
+
+def test_a_different_cache_salt_is_not_claimed(scheduler):
+    tokens = _prompt(100)
+    fill_kvtier(scheduler.connector.runtime, tokens, salt="tenant-a")
+    _, out = _admit(scheduler, tokens, salt="tenant-b")
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 0
+    assert out.kv_connector_metadata.loads == []
+    _, same_tenant = _admit(scheduler, tokens, salt="tenant-a")
+    assert same_tenant.scheduled_new_reqs[0].num_computed_tokens == 96
+
+
+def test_the_prompt_is_saved_once_when_its_chunked_prefill_completes(scheduler):
+    tokens = _prompt(150, start=300)
+    request, out = _admit(scheduler, tokens)
+    saves = [out.kv_connector_metadata.saves]
+    blocks = list(out.scheduled_new_reqs[0].block_ids[0])
+    for _ in range(2):                                   # 64 + 64 + 22 prompt tokens
+        scheduler.update_from_output(out, runner_output(out))
+        out = scheduler.schedule()
+        saves.append(out.kv_connector_metadata.saves)
+        for new_blocks in out.scheduled_cached_reqs.new_block_ids:
+            blocks.extend(new_blocks[0] if new_blocks else [])
+    assert out.scheduled_cached_reqs.num_computed_tokens == [128]
+    planned = [s for step in saves for s in step]
+    assert len(planned) == 1 and saves[0] == [] and saves[1] == []
+    (save,) = planned
+    assert save.tokens == tuple(tokens[:128]) and save.block_ids == tuple(blocks[:4])
+
+
+def test_a_prompt_kvtier_already_holds_is_not_saved_again(scheduler):
+    tokens = _prompt(100, start=500)
+    fill_kvtier(scheduler.connector.runtime, tokens)
+    _, out = _admit(scheduler, tokens)
+    assert out.kv_connector_metadata.saves == []
+
+
+def test_a_lost_staged_load_is_reported_and_vllm_recomputes_it(tiny_model, tmp_path):
+    from kvtier.integrations.vllm_worker import WorkerSide
+
+    config = make_vllm_config(tiny_model, {"disk_url": f"file://{tmp_path / 'disk'}",
+                                           "host_pool_bytes": "8MiB"},
+                              block_size=BLOCK, policy="recompute")
+    sched = make_scheduler(config, make_kv_cache_config(BLOCK))
+    runtime = sched.connector.runtime
+    try:
+        tokens = _prompt(100, start=700)
+        fill_kvtier(runtime, tokens)
+        request, out = _admit(sched, tokens)
+        runtime.release_staged(request.request_id)           # the staged pages are gone
+        worker = WorkerSide(runtime)
+        kv = {name: torch.zeros(256, 2, BLOCK, 64) for name in runtime.shape.layer_names}
+        worker.register_kv_caches(kv, "CPU_ATTN")
+        worker.start_load_kv(out.kv_connector_metadata)
+        failed = worker.get_block_ids_with_load_errors()
+        assert failed == set(out.scheduled_new_reqs[0].block_ids[0][:3])
+        assert runtime.counts["load_errors"] == 1
+        sched.update_from_output(out, runner_output(out, invalid_block_ids=failed))
+        assert request.num_computed_tokens == 0        # vLLM recomputes from the first block
+    finally:
+        runtime.close()
+
+
+def test_sliding_window_models_are_refused_at_start(tiny_model, tmp_path):
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    spec = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=32,
+                             dtype=torch.float32, sliding_window=64)
+    config = make_vllm_config(tiny_model, {}, block_size=BLOCK)
+    with pytest.raises(ConfigError, match="sliding-window"):
+        make_scheduler(config, make_kv_cache_config(BLOCK, spec=spec))
+
+
+def test_an_unknown_connector_setting_is_refused_at_start(tiny_model):
+    config = make_vllm_config(tiny_model, {"disk_ur": "file:///tmp/x"}, block_size=BLOCK)
+    with pytest.raises(ConfigError, match="disk_ur"):
+        make_scheduler(config, make_kv_cache_config(BLOCK))
+
+
+def test_rows_saved_from_vllm_blocks_load_back_into_other_blocks_exactly(scheduler):
+    from kvtier.integrations.vllm_layout import BlockLayout
+    from kvtier.integrations.vllm_scheduler import KvtierConnectorMetadata, LoadSpec, SaveSpec
+    from kvtier.integrations.vllm_worker import WorkerSide
+
+    runtime = scheduler.connector.runtime
+    worker = WorkerSide(runtime)
+    source = {n: torch.randn(64, 2, BLOCK, 64) for n in runtime.shape.layer_names}
+    worker.register_kv_caches(source, "CPU_ATTN")
+    tokens = _prompt(96, start=40)
+    saving = KvtierConnectorMetadata(saves=[SaveSpec("w", tuple(tokens), None, (5, 9, 2))])
+    for name, kv in source.items():
+        worker.save_kv_layer(saving, name, kv)
+    worker.wait_for_save()
+    assert runtime.counts["saved_tokens"] == 96
+    (event,) = scheduler.connector.take_events()
+    assert type(event).__name__ == "BlockStored" and event.medium == "kvtier"
+    assert len(event.block_hashes) == 3 and all(len(h) == 32 for h in event.block_hashes)
+    assert event.token_ids == tokens and event.block_size == BLOCK
+    assert list(scheduler.connector.take_events()) == []
+    with runtime.lock:
+        runtime.staged["r"] = runtime.cache.load(runtime.cache.match(tokens))
+    target = {n: torch.zeros(64, 2, BLOCK, 64) for n in runtime.shape.layer_names}
+    worker.kv_caches = target
+    worker.start_load_kv(KvtierConnectorMetadata(loads=[LoadSpec("r", 0, 95, (7, 3, 11))]))
+    for name in target:
+        worker.wait_for_layer_load(name)
+    worker.wait_for_save()
+    layout = BlockLayout("cpu", 64, BLOCK, 2, 32)
+    old = torch.cat([torch.arange(b * BLOCK, (b + 1) * BLOCK) for b in (5, 9, 2)])[:95]
+    new = torch.cat([torch.arange(b * BLOCK, (b + 1) * BLOCK) for b in (7, 3, 11)])[:95]
+    for name in target:
+        for got, want in zip(layout.read(target[name], new), layout.read(source[name], old),
+                             strict=True):
+            assert torch.equal(got, want)
+        assert int(layout.read(target[name], torch.tensor([11 * BLOCK + 31]))[0].abs().sum()) == 0
