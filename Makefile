@@ -13,7 +13,7 @@ VENV_VLLM := .venv-vllm
 
 install: $(STAMP)
 
-install-test: $(TEST_STAMP) $(VENV_SGLANG)/.installed
+install-test: $(TEST_STAMP) $(VENV_SGLANG)/.installed $(VENV_VLLM)/.installed
 
 # The core: what `kvtier serve` needs (the engine, the server, the Triton kernels).
 $(STAMP): pyproject.toml
@@ -62,7 +62,7 @@ lint: install-test
 unit: install-test
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
 
-test: $(VENV_VLLM)/.installed lint unit
+test: lint unit
 
 clean:
 	rm -rf $(VENV) $(VENV_SGLANG) $(VENV_VLLM) .pytest_cache .ruff_cache .mypy_cache .hypothesis
