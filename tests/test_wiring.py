@@ -97,3 +97,16 @@ def test_a_host_rebuild_without_a_pinned_budget_is_refused_and_changes_nothing()
             rebuild_host_pool(admin, pool_bytes=8 * LAYOUT.page_bytes)
         assert cache.ctx.host_pool is pool and not pool.closed
         admin.table.assert_coherent()
+
+
+def test_the_engine_and_plugins_use_the_facade_not_its_parts() -> None:
+    """``TieredCache``'s ``ctx`` and ``controller`` are its internals: the reference engine and
+    the plug-ins built on the facade reach the cache through its public methods only."""
+    reaching = []
+    for package in ("engine", "integrations"):
+        for path in sorted((SRC / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if (isinstance(node, ast.Attribute) and node.attr in ("ctx", "controller")
+                        and isinstance(node.value, ast.Attribute) and node.value.attr == "tiered"):
+                    reaching.append(f"{path.relative_to(SRC)}:{node.lineno} tiered.{node.attr}")
+    assert not reaching, reaching

@@ -142,6 +142,34 @@ class TieredCache:
         """Report a measured prefill (tokens in seconds): ``plan_split`` needs the rate."""
         self.controller.rates.observe_prefill(tokens, seconds)
 
+    def observe_split(self, hit_tokens: int, predicted_s: float, seconds: float) -> None:
+        """Report how long a split (``plan_split``'s answer) took to its first token."""
+        self.controller.rates.observe_split(hit_tokens, predicted_s, seconds)
+
+    def observe_load(self, tier: str, nbytes: int, seconds: float) -> None:
+        """Report a measured load of ``nbytes`` from a store tier: the split's fixed costs."""
+        self.controller.rates.observe_load(tier, nbytes, seconds)
+
+    @property
+    def pending_split(self) -> tuple[int, float] | None:
+        """(hit tokens, predicted seconds) of the split ``plan_split`` chose last, if any."""
+        return self.controller.rates.pending_split
+
+    def device_prefix(self, tokens: Any, salt: bytes | str | None = None) -> list[int]:
+        """Device page ids of the longest prefix of ``tokens`` the device tier holds now."""
+        match = self.ctx.index.match(tokens, salt)
+        return match.ids("device", 0, match.depth_of("device"))
+
+    def clear_tier(self, tier: str) -> None:
+        """Forget what one tier (``device`` or ``host``) holds; pinned pages stay."""
+        self.ctx.index.clear(tier)
+
+    @property
+    def index(self) -> RadixIndex:
+        """The radix index, for observers of its moves (KV events); change it only through
+        this facade."""
+        return self.ctx.index
+
     def allocate(self, n_pages: int) -> list[int]:
         """Device pages for new KV (evicting unpinned pages); ``PoolExhausted`` if impossible."""
         return self.controller.allocate(n_pages)

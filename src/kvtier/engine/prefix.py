@@ -113,8 +113,7 @@ class PrefixCache:
         report.matched_tokens = hit.tokens
         head = self.head_tokens(hit)
         whole = head >= hit.tokens  # nothing to load: the hit runs in the prompt's one forward
-        rates = getattr(self.tiered.controller, "rates", None)
-        pending = getattr(rates, "pending_split", None) if 0 < head < hit.tokens else None
+        pending = self.tiered.pending_split if 0 < head < hit.tokens else None
         kv = self.lm.new_cache()
         if head and not whole:  # the store reads start before the head's forward is launched
             self.tiered.prefetch(hit, recompute_tokens=head)
@@ -162,8 +161,7 @@ class PrefixCache:
         if state.split is not None:
             hit_tokens, predicted, started = state.split
             state.split = None
-            self.tiered.controller.rates.observe_split(hit_tokens, predicted,
-                                                       time.perf_counter() - started)
+            self.tiered.observe_split(hit_tokens, predicted, time.perf_counter() - started)
         try:
             state.committed_pages = self._commit(prompt, kv, state.salt, state.span)
         finally:
@@ -193,12 +191,11 @@ class PrefixCache:
         started = time.perf_counter()
         loaded = self.tiered.load(hit, recompute_tokens=head, overlap=self.overlap and head == 0)
         tiers = [t for t in STORE_TIERS if hit.tokens_by_tier.get(t, 0)]
-        rates = getattr(self.tiered.controller, "rates", None)
         moved = loaded.tokens - loaded.start_tokens
-        if head == 0 and tiers and rates is not None and moved > 0:
+        if head == 0 and tiers and moved > 0:
             tier = max(tiers, key=lambda t: hit.tokens_by_tier[t])
             bytes_per_token = self.lm.kv_layout(self.page_size).bytes_per_token
-            rates.observe_load(tier, moved * bytes_per_token, time.perf_counter() - started)
+            self.tiered.observe_load(tier, moved * bytes_per_token, time.perf_counter() - started)
         return loaded
 
     def _start_recompute(self, head: list[int], kv: Any) -> Callable[[], None]:
@@ -241,8 +238,7 @@ class PrefixCache:
     # ---- commit ------------------------------------------------------------------------------
     def _device_prefix(self, tokens: list[int], salt: str | None) -> list[int]:
         """Device page ids of the prefix of ``tokens`` the device tier holds now."""
-        match = self.tiered.ctx.index.match(tokens, salt)
-        return match.ids("device", 0, match.depth_of("device"))
+        return self.tiered.device_prefix(tokens, salt)
 
     def _commit(self, tokens: list[int], kv: Any, salt: str | None,
                 span: tuple[int, int, list[int]] | None) -> int:
@@ -289,7 +285,7 @@ class PrefixCache:
             self.tiered.flush()
             return
         for tier in tiers:
-            self.tiered.ctx.index.clear(tier)
+            self.tiered.clear_tier(tier)
 
     # ---- passthrough ---------------------------------------------------------------------------
     def poll(self) -> None:

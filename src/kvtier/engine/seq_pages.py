@@ -105,7 +105,7 @@ class CachedPages(PlainPages):
             _account(report, hit, hit.tokens if hit.tokens else 0, 0)
             return pages, 0
         if head:
-            pending = getattr(self.tiered.controller.rates, "pending_split", None)
+            pending = self.tiered.pending_split
             if pending is not None:
                 pages.split = (pending[0], pending[1], time.perf_counter())
             self.tiered.prefetch(hit, recompute_tokens=head)
@@ -170,8 +170,7 @@ class CachedPages(PlainPages):
         if pages.split is not None:
             hit_tokens, predicted, started = pages.split
             pages.split = None
-            self.tiered.controller.rates.observe_split(hit_tokens, predicted,
-                                                       time.perf_counter() - started)
+            self.tiered.observe_split(hit_tokens, predicted, time.perf_counter() - started)
         self._commit(pages, tokens)
 
     def _commit(self, pages: SeqPages, tokens: list[int]) -> None:

@@ -115,7 +115,7 @@ def _kv_events(config: KvtierConfig, prefix_cache: Any) -> Any:
                           "only with the cache on (cache.enabled true): events describe its tiers")
     from kvtier.events import KVEventFeed
 
-    feed = KVEventFeed.from_config(config.server, prefix_cache.tiered.ctx.index)
+    feed = KVEventFeed.from_config(config.server, prefix_cache.tiered.index)
     log.info("KV events on %s (topic %r, replay %s)", feed.publisher.endpoint,
              config.server.kv_events_topic, feed.publisher.replay_endpoint or "off")
     return feed
