@@ -57,7 +57,7 @@ class EngineConfig:
     max_new_tokens: int = opt(256, "Default cap on generated tokens per request.", minimum=1)
     max_running: int = opt(16, "Sequences generated at once, in one forward per step; others "
                            "wait in the fair queue.", minimum=1, alias="--max-running")
-    prefill_chunk_tokens: int = opt(512, "Prompt tokens all prefills of one step run at most, "
+    prefill_chunk_tokens: int = opt(8192, "Prompt tokens all prefills of one step run at most, "
                                     "beside the decodes (a long prompt is run in chunks).",
                                     minimum=1)
     seed: int = opt(0, "Seed for random-weight presets, so every process builds the same model.",
