@@ -122,14 +122,16 @@ def test_plain_cpu_is_refused(monkeypatch):
 
 def test_the_setting_reaches_the_model():
     from kvtier.config import build_config
+    from kvtier.engine import paged
     from kvtier.engine.hf import load_model
 
     assert build_config(env={}, flags={}).engine.deterministic is False
     config = build_config(env={}, flags={"engine.deterministic": "true"})
     lm = load_model("tiny-llama", device="cpu", dtype="float32",
                     deterministic=config.engine.deterministic)
-    assert lm.model.config._attn_implementation == invariant.NAME
+    # the invariant attention, wrapped by the batched engine's paged attention
+    assert lm.model.config._attn_implementation == f"{paged.NAME}_{invariant.NAME}"
     linears = [m for m in lm.model.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all("forward" in m.__dict__ for m in linears)
     plain = load_model("tiny-llama", device="cpu", dtype="float32")
-    assert plain.model.config._attn_implementation != invariant.NAME
+    assert invariant.NAME not in plain.model.config._attn_implementation
