@@ -9,7 +9,7 @@ prompts, ``ignore_eos``): one stream alone (ms per generated token) and each con
 ``generate_batch`` (continuous batching, sdpa) on the first concurrency for a side-by-side ratio.
 Prints a table and writes ``--json`` with machine info. Usage (the H200)::
 
-    PYTHONPATH=src python benchmarks/batching_gpu.py --model llama3-8b-shape --dtype bfloat16 \\
+    PYTHONPATH=src:benchmarks python benchmarks/batching_gpu.py --model llama3-8b-shape --dtype bfloat16 \\
         --prompt-tokens 5000 --new-tokens 128 --concurrency 16,64 --json batching_h200.json
 """
 
@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from batching_peer import time_generate_batch
 from kvtier.config import build_config
 from kvtier.engine.hf import load_model
 from kvtier.engine.request import GenerationRequest, TokenEvent
@@ -141,19 +142,9 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         service.close()
     if not args.skip_peer:
-        from transformers import GenerationConfig
-
-        lm.model.set_attn_implementation("sdpa")
-        config = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False,
-                                  eos_token_id=-1, pad_token_id=0)
         prompts = _prompts(levels[0], args.prompt_tokens, 1000 + levels[0], vocab)
-        lm.model.generate_batch(_prompts(2, 64, 99, vocab), generation_config=config)
-        _sync()
-        started = time.perf_counter()
-        res = lm.model.generate_batch(prompts, generation_config=config)
-        _sync()
-        seconds = time.perf_counter() - started
-        tokens = sum(len(o.generated_tokens) for o in res.values())
+        seconds, tokens = time_generate_batch(lm.model, prompts, args.new_tokens,
+                                              _prompts(2, 64, 99, vocab))
         out["transformers_generate_batch"] = {"requests": levels[0], "generated_tokens": tokens,
                                               "seconds": round(seconds, 3),
                                               "tokens_per_s": round(tokens / seconds, 1)}

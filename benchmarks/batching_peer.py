@@ -56,19 +56,24 @@ def run_kvtier(args: argparse.Namespace, lm, prompts: list[list[int]]) -> tuple[
         service.close()
 
 
-def run_transformers(args: argparse.Namespace, lm, prompts: list[list[int]]) -> tuple[float, int]:
+def time_generate_batch(model, prompts: list[list[int]], new_tokens: int,
+                        warm: list[list[int]]) -> tuple[float, int]:
+    """transformers' continuous batching (sdpa), after a warm-up on ``warm``: seconds, tokens."""
     from transformers import GenerationConfig
 
-    model = lm.model
     model.set_attn_implementation("sdpa")
-    config = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=-1,
+    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1,
                               pad_token_id=0)
-    model.generate_batch(_prompts(2, 16, 99), generation_config=config)
-    _sync(args.device)
+    model.generate_batch(warm, generation_config=config)
+    _sync(str(model.device))
     started = time.perf_counter()
     out = model.generate_batch(prompts, generation_config=config)
-    _sync(args.device)
+    _sync(str(model.device))
     return time.perf_counter() - started, sum(len(o.generated_tokens) for o in out.values())
+
+
+def run_transformers(args: argparse.Namespace, lm, prompts: list[list[int]]) -> tuple[float, int]:
+    return time_generate_batch(lm.model, prompts, args.new_tokens, _prompts(2, 16, 99))
 
 
 def main() -> int:
