@@ -32,6 +32,10 @@ from kvtier.engine.request import GenerationRequest, TokenEvent
 from kvtier.engine.service import EngineService
 from kvtier.machine import format_table, machine_info
 
+#: Share of free device memory for the page pool (``--device-fraction``; the server's default 0.3
+#: holds 37 GB on the H200, less than 64 prompts of 5k tokens of an 8B model need).
+DEVICE_FRACTION = 0.3
+
 
 def _sync() -> None:
     if torch.cuda.is_available():
@@ -46,7 +50,8 @@ def _prompts(count: int, length: int, seed: int, vocab: int) -> list[list[int]]:
 def _service(lm: Any, device: str, dtype: str, max_running: int, host_pool: str,
              decode_graph_batch: int | None = None) -> EngineService:
     flags = {"engine.device": device, "engine.dtype": dtype,
-             "engine.max_running": str(max_running), "host.pool_bytes": host_pool}
+             "engine.max_running": str(max_running), "host.pool_bytes": host_pool,
+             "cache.device_memory_fraction": str(DEVICE_FRACTION)}
     if decode_graph_batch is not None:
         flags["engine.decode_graph_batch"] = str(decode_graph_batch)
     config = build_config(env={}, flags=flags)
@@ -164,8 +169,11 @@ def main() -> int:
     parser.add_argument("--host-pool", default="8GiB")
     parser.add_argument("--check-models", default="tiny-llama,tiny-qwen2")
     parser.add_argument("--skip-peer", action="store_true")
+    parser.add_argument("--device-fraction", type=float, default=DEVICE_FRACTION)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    global DEVICE_FRACTION
+    DEVICE_FRACTION = args.device_fraction
     result: dict[str, Any] = {"machine": machine_info(), "settings": vars(args) | {"json": None}}
     result["correctness"] = [check_model(m, args.device, 6, 200, 24)
                              for m in args.check_models.split(",") if m]

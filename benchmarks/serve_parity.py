@@ -37,6 +37,7 @@ def _service(lm: Any, args: argparse.Namespace, dtype: str, page_size: int, cach
              "cache.enabled": str(cache).lower(), "engine.max_running": str(running),
              "host.pool_bytes": "512MiB" if cache else "0",
              "server.max_concurrent_requests": str(max(64, 2 * running))}
+    flags.update(dict(item.split("=", 1) for item in args.set))
     return EngineService.build(build_config(env={}, flags=flags), lm=lm)
 
 
@@ -96,6 +97,8 @@ def main() -> int:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="a config field for both engines, e.g. engine.graph_tokens=0")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     cells: list[dict[str, Any]] = []

@@ -165,13 +165,14 @@ def test_hits_from_every_tier_and_every_split_give_the_cold_tokens(tmp_path):
 def test_a_lone_fresh_hit_runs_its_suffix_through_the_static_forward():
     """The captured suffix forwards (run eagerly on the CPU) serve a hit on an idle engine; the
     KV they compute lands in the sequence's pages, so the batched decode after them matches."""
-    from kvtier.engine import graphs
     from kvtier.engine.prefix import PrefixCache
+    from kvtier.engine.suffix_step import SuffixStep
 
     lm, config = tiny_lm(), make_config()
-    prefix_cache = PrefixCache.build(config, lm)
-    prefix_cache.graphs = graphs.SuffixGraphs(lm, 512, capture=False)
+    prefix_cache = PrefixCache.build(config, lm, graphs=False)
     service = EngineService(config, lm, prefix_cache, max_running=2)
+    service.engine.suffix = SuffixStep(lm, 512, service.engine.pages.scratch_page,
+                                       capture=False, backend="torch")
     shared = _prompt(48, 40)
     try:
         _run(service, [shared + [1, 2]], 2)
@@ -206,3 +207,46 @@ def test_a_seeded_sampled_request_draws_the_same_tokens_alone_or_in_a_batch():
             service.close()
     assert outputs[0] == outputs[1] and len(outputs[0]) == 10
     assert outputs[0] != _greedy(tiny_lm(), PROMPTS[0], 10)   # it did sample
+
+
+class _PendingCopy:
+    """A host copy that lands when the test says so (the paged forward only waits on it)."""
+
+    def __init__(self) -> None:
+        self.landed = False
+
+    def is_done(self) -> bool:
+        return self.landed
+
+    alone = False
+
+    def stream_wait(self, stream=None, layer=None) -> None:
+        assert self.landed or self.alone, "a step ran a row whose copy had not landed"
+
+
+def test_a_hit_still_loading_waits_out_of_the_steps_while_others_decode():
+    from kvtier.engine.request import RequestHandle
+    from kvtier.engine.runner import Engine
+    from kvtier.engine.seq_pages import PlainPages
+    from kvtier.memory.device_pool import DevicePool
+
+    lm, config = tiny_lm(), make_config()
+    pool = DevicePool.from_config(config.cache, lm.kv_layout(16), "cpu")
+    engine = Engine(lm, PlainPages(pool), chunk_tokens=4096)
+
+    decoding = engine.admit(RequestHandle(GenerationRequest(tuple(_prompt(40, 1)), 50)))
+    engine.step([decoding])                      # its prompt: it decodes from now on
+    loading = engine.admit(RequestHandle(GenerationRequest(tuple(_prompt(30, 2)), 5)))
+    copy = loading.kv.ticket = _PendingCopy()
+    for _ in range(3):
+        engine.step([decoding, loading])
+    assert loading.computed == 0 and decoding.generated == 4
+    assert engine.counters["deferred_for_load"] == 3
+    copy.landed = True
+    engine.step([decoding, loading])
+    assert loading.computed == 30 and loading.generated == 1 and decoding.generated == 5
+    alone = engine.admit(RequestHandle(GenerationRequest(tuple(_prompt(20, 3)), 5)))
+    alone.kv.ticket = _PendingCopy()
+    alone.kv.ticket.alone = True
+    engine.step([alone])                         # nothing else to run: it steps at once
+    assert alone.generated == 1 and engine.counters["deferred_for_load"] == 3

@@ -1,18 +1,19 @@
-"""Hits against no cache on the GPU in bf16: the default fast path (kvtier attention, fused
-kernels, captured graphs) gives the greedy tokens a recompute gives on Llama and Qwen2-style
-models, and the deterministic mode gives bit-identical logits, at page sizes 16 and 64, from the
-device and the host tier. Below them, the kernels on the GPU: the fused rotary is bit-identical
-to transformers', and the deterministic matmul and attention give a row the same bits in any
-call."""
+"""Hits against no cache on the GPU in bf16: the server's engine (batched paged attention,
+captured suffix steps and decodes) gives the greedy tokens ``--no-cache`` gives on Llama,
+Qwen2 and Mistral-style models, and the deterministic mode gives bit-identical logits, at page
+sizes 16 and 64, from the device and the host tier. Below them, the kernels on the GPU: the
+fused rotary is bit-identical to transformers', and the deterministic matmul and attention give
+a row the same bits in any call."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvtier.engine import attention, fused, invariant
+from kvtier.engine import attention, fused, invariant, paged
 from kvtier.engine.prefix import PrefixCache
-from kvtier.engine.request import PrefillReport
+from kvtier.engine.request import GenerationRequest, PrefillReport
+from kvtier.engine.service import EngineService
 from test_deterministic import _through, _tokens, deterministic_lm
 from test_engine_support import make_config
 
@@ -58,12 +59,77 @@ def _hits(lm, page_size: int, deterministic: bool):
     return runs
 
 
+def _served(lm, page_size: int, cache: bool) -> EngineService:
+    config = make_config(**{"engine.device": "cuda", "engine.dtype": "bfloat16",
+                            "cache.page_size": page_size, "cache.device_pages": 512,
+                            "cache.enabled": str(cache).lower(),
+                            "host.pool_bytes": "32MiB" if cache else "0"})
+    return EngineService.build(config, lm=lm, max_running=4)
+
+
+def _generate(service: EngineService, prompt: list[int]) -> list[int]:
+    return service.generate(GenerationRequest(tuple(prompt), NEW_TOKENS), timeout=300)[0]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_bf16_hits_through_the_server_engine_give_the_no_cache_tokens(arch, page_size):
+    """What ``kvtier serve`` runs (the batched engine, captured suffix steps, decode graphs):
+    a device hit and a host hit give ``--no-cache``'s greedy tokens."""
+    lm = deterministic_lm(arch, "bfloat16", device="cuda", deterministic=False)
+    paged.install(lm.model)
+    prompts = [_tokens(600, seed) for seed in range(8)]
+    plain = _served(lm, page_size, cache=False)
+    try:
+        wants = [_generate(plain, p) for p in prompts]
+    finally:
+        plain.close()
+    cached = _served(lm, page_size, cache=True)
+    drop = cached.prefix_cache.drop_tiers
+    try:
+        for seed, (prompt, want) in enumerate(zip(prompts, wants, strict=True)):
+            cached.scheduler.call_soon(lambda: drop(("device", "host"))).result(60)
+            _generate(cached, prompt[:100 + 50 * seed] + _tokens(16, 100 + seed))
+            assert _generate(cached, prompt) == want, ("device", seed)
+            cached.scheduler.call_soon(lambda: drop(("device",))).result(60)
+            assert _generate(cached, prompt) == want, ("host", seed)
+        stats = cached.engine.stats()
+    finally:
+        cached.close()
+    assert stats["suffix_graph_steps"] >= len(prompts)   # the captured steps served the hits
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("page_size", [16, 64])
-def test_bf16_hits_give_the_no_cache_tokens(arch, page_size):
-    lm = deterministic_lm(arch, "bfloat16", device="cuda", deterministic=False)
-    for want, device_hit, host_hit in _hits(lm, page_size, deterministic=False):
-        assert device_hit[0] == want[0] and host_hit[0] == want[0]
+def test_deterministic_batched_steps_are_bit_identical_at_any_hit_and_batch(arch, page_size):
+    """The server's steps in the deterministic mode: a prompt's last logits and its KV are the
+    same bits run whole, as a hit's suffix (eager or captured) and beside another sequence."""
+    from kvtier.engine.suffix_step import SuffixStep
+
+    lm = deterministic_lm(arch, "bfloat16", device="cuda", deterministic=True)
+    paged.install(lm.model)
+    layout = lm.kv_layout(page_size)
+    pool = torch.zeros(layout.num_layers, 2, 200, page_size, layout.num_kv_heads,
+                       layout.head_dim, dtype=torch.bfloat16, device="cuda")
+    prompt, other = _tokens(600, 1), _tokens(300, 2)
+    per = -(-len(prompt) // page_size)
+    whole, hit, beside, captured = (list(range(i * per, (i + 1) * per)) for i in range(4))
+    spare = list(range(4 * per, 4 * per + -(-len(other) // page_size)))
+    want = paged.forward_batch(lm, [paged.BatchRow(whole, 0, prompt)], pool)
+    head = 2 * page_size
+    for pages in (hit, beside, captured):
+        paged.forward_batch(lm, [paged.BatchRow(pages, 0, prompt[:head])], pool)
+    eager = paged.forward_batch(lm, [paged.BatchRow(hit, head, prompt[head:])], pool)
+    both = paged.forward_batch(lm, [paged.BatchRow(spare, 0, other),
+                                    paged.BatchRow(beside, head, prompt[head:])], pool)
+    step = SuffixStep(lm, 4096, lambda: 199)
+    tail = len(prompt) - 100
+    paged.forward_batch(lm, [paged.BatchRow(captured, head, prompt[head:tail])], pool)
+    graphed = step.run(paged.BatchRow(captured, tail, prompt[tail:]), pool)
+    assert torch.equal(eager, want) and torch.equal(both[1:], want)
+    assert graphed is not None and torch.equal(graphed, want)
+    for pages in (hit, beside, captured):
+        assert torch.equal(pool[:, :, pages], pool[:, :, whole])
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])

@@ -43,10 +43,11 @@ class EngineConfig:
     attention: str = opt("kvtier", "Attention kernels: kvtier (split-KV Triton kernels for a "
                          "few new tokens over a long past on CUDA, sdpa otherwise) or sdpa.",
                          choices=("kvtier", "sdpa"))
-    graph_tokens: int = opt(8192, "Longest past + new tokens a captured (CUDA graph) forward "
-                            "serves after a cache hit; its static KV takes this many tokens of "
-                            "device memory (1 GiB for an 8B model at 8192). 0: no graphs. CUDA "
-                            "with the kvtier attention only.", minimum=0)
+    graph_tokens: int = opt(8192, "0 turns off the captured (CUDA graph) forwards of a hit's "
+                            "suffix. The server's engine captures them over its paged pool "
+                            "(any past up to the model's positions); the per-sequence path "
+                            "serves pasts up to this many tokens from a static KV of that size "
+                            "(1 GiB for an 8B model at 8192). CUDA only.", minimum=0)
     deterministic: bool = opt(False, "Batch-invariant kernels in every forward (matmuls, norms, "
                               "attention in fixed 256-key slices): a hit's logits are "
                               "bit-identical to a recompute's. CUDA (or the Triton interpreter).")

@@ -79,7 +79,10 @@ class PrefixCache:
         self._helper = ThreadPoolExecutor(1, thread_name_prefix="kvtier-recompute")
 
     @classmethod
-    def build(cls, config: KvtierConfig, lm: CausalLM, *, split: str = "plan") -> PrefixCache:
+    def build(cls, config: KvtierConfig, lm: CausalLM, *, split: str = "plan",
+              graphs: bool = True) -> PrefixCache:
+        """The cache the config asks for; ``graphs`` false skips the per-sequence path's
+        captured suffix forwards (the batched engine captures its own, ``suffix_step``)."""
         from kvtier.cache import TieredCache
 
         page_size = config.cache.page_size
@@ -87,7 +90,7 @@ class PrefixCache:
         namespace = KeyNamespace(lm.name, lm.fingerprint, lm.dtype_name, layout.fingerprint(),
                                  page_size)
         tiered = TieredCache.build(config, layout, namespace, device=str(lm.device))
-        return cls(lm, tiered, split=split, graphs=_suffix_graphs(config, lm))
+        return cls(lm, tiered, split=split, graphs=_suffix_graphs(config, lm) if graphs else None)
 
     @property
     def split(self) -> str:

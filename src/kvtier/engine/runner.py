@@ -9,8 +9,11 @@ it; each sequence's pages grow to hold its new tokens, and when the device pool 
 newest sequence is preempted (its computed full pages committed to the cache, everything
 released: it comes back as a prefix hit, or a plain recompute without the cache). One
 ``paged.forward_batch`` runs the step (a step of decodes only replays a captured graph,
-``decode_graphs``, where one serves it); rows that reached their last token get their next token
-chosen and sent, and a prompt's pages are committed once its first token is out. ``finish``
+``decode_graphs``, where one serves it; a step of one fresh hit's suffix alone, ``suffix_step``).
+A sequence whose hit is still crossing the bus from the host tier waits out of the steps while
+others can run, so their decodes do not stall behind its copy; alone, it steps at once and its
+forward waits layer by layer for the copy. Rows that reached their last token get their next
+token chosen and sent, and a prompt's pages are committed once its first token is out. ``finish``
 commits the sequence's KV pages and releases what it pinned. Engine thread only.
 """
 
@@ -61,19 +64,27 @@ class StepResult:
     failed: list[tuple[Sequence, Exception]] = field(default_factory=list)
 
 
+def _loading(seq: Sequence) -> bool:
+    """Whether ``seq``'s hit is still being copied into its pages (a host load in flight)."""
+    ticket = seq.kv.ticket if seq.kv is not None else None
+    is_done = getattr(ticket, "is_done", None)
+    return is_done is not None and not is_done()
+
+
 class Engine:
     """Runs batched steps of one ``CausalLM`` over pages from ``pages`` (``seq_pages``)."""
 
     def __init__(self, lm: CausalLM, pages: Any, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                 prefix_cache: Any = None, decode_graphs: Any = None) -> None:
+                 prefix_cache: Any = None, decode_graphs: Any = None,
+                 suffix: SuffixStep | None = None) -> None:
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         self.lm, self.pages, self.chunk_tokens = lm, pages, chunk_tokens
         self.prefix_cache = prefix_cache   # observes cold prefill rates for the split
-        graphs = getattr(prefix_cache, "graphs", None)
-        self.suffix = SuffixStep(lm, graphs) if graphs is not None else None
+        self.suffix = suffix                 # a lone fresh hit's suffix replays captured graphs
         self.decode_graphs = decode_graphs   # DecodeGraphs: all-decode steps replay a graph
-        self.counters = {"steps": 0, "batched_tokens": 0, "preempted": 0}
+        self.counters = {"steps": 0, "batched_tokens": 0, "preempted": 0,
+                         "deferred_for_load": 0}
 
     # ---- admission -------------------------------------------------------------------------
     def admit(self, item: RequestHandle | Sequence) -> Sequence:
@@ -99,8 +110,12 @@ class Engine:
         result = StepResult()
         planned: list[tuple[Sequence, paged.BatchRow]] = []
         budget = self.chunk_tokens
+        defer = any(seq.kv is not None and not _loading(seq) for seq in running)
         for seq in running:
             if seq in result.preempted:
+                continue
+            if defer and _loading(seq):   # the others step on while its pages cross the bus
+                self.counters["deferred_for_load"] += 1
                 continue
             count = self._tokens_this_step(seq, budget)
             if count == 0:
@@ -253,7 +268,8 @@ class Engine:
                                          None if error is None else type(error).__name__))
 
     def stats(self) -> dict[str, Any]:
-        served = {"suffix_graph_steps": self.suffix.served} if self.suffix is not None else {}
+        served = ({"suffix_graph_steps": self.suffix.served, "suffix_graphs": self.suffix.stats()}
+                  if self.suffix is not None else {})
         if self.decode_graphs is not None:
             served["decode_graphs"] = self.decode_graphs.stats()
         return {**self.counters, **served}

@@ -32,7 +32,8 @@ class EngineService:
         pages = _page_source(config, lm, prefix_cache)
         self.engine = Engine(lm, pages, chunk_tokens=config.engine.prefill_chunk_tokens,
                              prefix_cache=prefix_cache,
-                             decode_graphs=_decode_graphs(config, lm, pages))
+                             decode_graphs=_decode_graphs(config, lm, pages),
+                             suffix=_suffix_step(config, lm, pages, prefix_cache))
         try:
             self.kv_events = _kv_events(config, prefix_cache)
         except BaseException:
@@ -58,7 +59,7 @@ class EngineService:
         if config.cache.enabled:
             from kvtier.engine.prefix import PrefixCache
 
-            prefix_cache = PrefixCache.build(config, lm, split=split)
+            prefix_cache = PrefixCache.build(config, lm, split=split, graphs=False)
         log.info("engine ready: model %s on %s (%s), cache %s", lm.name, lm.device,
                  lm.dtype_name, "on" if prefix_cache else "off")
         return cls(config, lm, prefix_cache, max_running=max_running)
@@ -137,13 +138,33 @@ def _page_source(config: KvtierConfig, lm: CausalLM, prefix_cache: Any) -> Any:
 def _decode_graphs(config: KvtierConfig, lm: CausalLM, pages: Any) -> Any:
     """Captured batched decodes on CUDA (``engine.decode_graph_batch`` > 0, a model whose
     forward is embedding, rotary, layers, norm and head); else None (every step eager)."""
-    if config.engine.decode_graph_batch <= 0 or lm.device.type != "cuda":
+    if config.engine.decode_graph_batch <= 0 or not _graphs_serve(lm, "decode graphs"):
         return None
-    from kvtier.engine import graphs
     from kvtier.engine.decode_graphs import DecodeGraphs
+
+    return DecodeGraphs(lm, config.engine.decode_graph_batch, pages.scratch_page)
+
+
+def _suffix_step(config: KvtierConfig, lm: CausalLM, pages: Any, prefix_cache: Any) -> Any:
+    """Captured suffix steps of lone hits on CUDA (the cache on, ``engine.graph_tokens`` > 0,
+    a supported model), every bucket captured now; else None (such steps run eagerly)."""
+    if (prefix_cache is None or config.engine.graph_tokens <= 0
+            or not _graphs_serve(lm, "suffix graphs")):
+        return None
+    from kvtier.engine.suffix_step import SuffixStep
+
+    step = SuffixStep(lm, lm.max_positions, pages.scratch_page)
+    step.warm(pages.kv)
+    return step
+
+
+def _graphs_serve(lm: CausalLM, what: str) -> bool:
+    """Whether captured forwards can run ``lm`` (CUDA, a supported model); logs why not."""
+    if lm.device.type != "cuda":
+        return False
+    from kvtier.engine import graphs
 
     reason = graphs.unsupported_reason(lm)
     if reason is not None:
-        log.info("decode graphs off: %s", reason)
-        return None
-    return DecodeGraphs(lm, config.engine.decode_graph_batch, pages.scratch_page)
+        log.info("%s off: %s", what, reason)
+    return reason is None

@@ -1,62 +1,296 @@
-"""A step that is one fresh hit's suffix alone runs through the captured suffix forwards.
+"""A step that is one fresh hit's suffix alone runs as captured paged forwards.
 
-Owns ``SuffixStep``. On an otherwise idle engine, the step after a cache hit is a few new
-tokens over a long past: on CUDA the captured graphs of ``kvtier.engine.graphs.SuffixGraphs``
-run it with a fraction of the eager forward's launch cost (the TTFT of a short hit). So when a
-step has exactly one row, that row finishes its prompt, its past is whole pages of its table
-and its new tokens fit a bucket, the hit's pages are adopted by a model cache (gathered layer
-by layer, each after its own copy when a host load is in flight), the graphs run, and the new
-tokens' KV is written back into the row's pages, where the batched steps that follow read it.
-Anything else (or a refusal, counted by ``SuffixGraphs``) takes the batched forward. Engine
-thread only.
+Owns ``SuffixStep`` and ``StaticSuffix``. On an otherwise idle engine, the step after a cache
+hit is a few new tokens over a long past: the GPU needs a few milliseconds for it, an eager
+forward of an 8B model tens of milliseconds of kernel launches first. So when a step has
+exactly one row, that row finishes its prompt and its new tokens fit a bucket (8 .. 128,
+powers of two), the step replays graphs captured once per bucket: one for the embedding and
+rotary, one per decoder layer, one for the last position's logits.
+
+The graphs compute exactly what the batched step computes: each layer writes the new tokens'
+KV into the row's own pages and attends them with the same paged kernel over the device pool
+(``paged_triton``), so a hit's first token does not depend on whether its step was captured
+(parity with a no-cache run, measured in ``benchmarks/serve_parity.py``). Between layer
+replays the current stream waits on the device for that layer's host copy only (a host hit
+still crossing the bus), so loading keeps overlapping the forward.
+
+Static buffers (``StaticSuffix``): token ids, positions, KV slots, a page table of
+``capacity_tokens`` / page size pages, the kernel's query blocks, hidden state, rotary cos/sin
+and the logits; ``fill`` writes one row into them (one host-to-device copy each). Padding
+tokens (bucket minus real) compute at positions after the real ones and write their KV to a
+scratch page (never a real one); the query blocks stop at the real tokens, so no real token
+sees them. Without CUDA (tests) the same static steps run eagerly over a PyTorch attention.
+A capture failure or a lack of memory turns the graphs off (counted in ``stats``) and the
+step runs eagerly; nothing fails a request. Engine thread only.
 """
 
 from __future__ import annotations
 
+import time
+from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from kvtier.engine import kv_pages
-from kvtier.engine.attention import MAX_QUERY_TOKENS
+from kvtier.engine import paged
+
+BUCKETS = (8, 16, 32, 64, 128)
+MAX_TOKENS = BUCKETS[-1]
+#: Query rows one program of the paged kernel holds, as ``paged_triton.MAX_ROWS`` (kept here
+#: so that this module imports without Triton; a test checks they agree).
+MAX_ROWS = 64
+
+
+def bucket_for(tokens: int) -> int:
+    """The captured size that serves ``tokens`` new tokens (1 <= tokens <= 128)."""
+    return next(b for b in BUCKETS if b >= tokens)
+
+
+class StaticSuffix:
+    """One bucket's static inputs and outputs, and the attention's batch inside its graphs."""
+
+    def __init__(self, lm: Any, pool: torch.Tensor, bucket: int, width: int, scratch_page: int,
+                 backend: str) -> None:
+        device, config = pool.device, lm.config
+        self.pool, self.bucket, self.width, self.backend = pool, bucket, width, backend
+        self.page_size, self.scratch_page = int(pool.shape[3]), scratch_page
+        n_rep = config.num_attention_heads // int(pool.shape[4])
+        self.per_block = max(1, MAX_ROWS // n_rep)
+        self.longest = min(self.per_block, bucket)
+        self.ids = torch.zeros((1, bucket), dtype=torch.long, device=device)
+        self.positions = torch.zeros((1, bucket), dtype=torch.long, device=device)
+        self.slots = torch.zeros(bucket, dtype=torch.long, device=device)
+        self.table = torch.zeros((1, width), dtype=torch.int32, device=device)
+        self.blocks = torch.zeros((-(-bucket // self.per_block), 4), dtype=torch.int32,
+                                  device=device)
+        self.last = torch.zeros(1, dtype=torch.long, device=device)
+        self.hidden = torch.zeros((1, bucket, config.hidden_size), dtype=lm.dtype, device=device)
+        self.out = torch.zeros((bucket, config.num_attention_heads, int(pool.shape[5])),
+                               dtype=lm.dtype, device=device)
+        self.logits = torch.zeros(config.vocab_size, dtype=torch.float32, device=device)
+        self.embeddings: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.fill(None)   # padding everywhere: what warm-up and capture run on
+
+    def fill(self, row: paged.BatchRow | None) -> None:
+        """Write ``row`` (its past within the table's width) and padding after its tokens."""
+        page, bucket = self.page_size, self.bucket
+        count = len(row.tokens) if row is not None else 0
+        start = row.start if row is not None else 0
+        ids = torch.zeros(bucket, dtype=torch.long)
+        slots = self.scratch_page * page + torch.arange(bucket, dtype=torch.long) % page
+        table = torch.full((1, self.width), self.scratch_page, dtype=torch.int32)
+        if row is not None:
+            ids[:count] = torch.as_tensor(list(row.tokens), dtype=torch.long)
+            used = -(-row.end // page)
+            pages = torch.as_tensor(list(row.pages[:used]), dtype=torch.long)
+            table[0, :used] = pages.to(torch.int32)
+            every = (pages[:, None] * page + torch.arange(page)).reshape(-1)
+            slots[:count] = every[start:row.end]
+        offsets = torch.arange(self.blocks.shape[0], dtype=torch.int32) * self.per_block
+        blocks = torch.stack([torch.zeros_like(offsets), offsets,
+                              (count - offsets).clamp(0, self.per_block), start + offsets], 1)
+        positions = torch.arange(start, start + bucket, dtype=torch.long)
+        last = torch.tensor([max(count - 1, 0)], dtype=torch.long)
+        for static, host in ((self.ids[0], ids), (self.positions[0], positions),
+                             (self.slots, slots), (self.table, table), (self.blocks, blocks),
+                             (self.last, last)):
+            static.copy_(host)
+        self.count, self.start = count, start
+
+    # ---- what the paged attention calls (as on a ``PagedBatch``) ---------------------------
+    def wait_for_layer(self, layer: int) -> None:
+        """Nothing to do inside a graph: ``SuffixStep`` waits between layer replays."""
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        heads, dim = self.pool.shape[4], self.pool.shape[5]
+        for part, new in enumerate((key, value)):
+            flat = self.pool[layer, part].view(-1, heads, dim)
+            flat.index_copy_(0, self.slots, new[0].transpose(0, 1).to(flat.dtype))
+
+    def attend(self, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """``query`` ``[1, heads, bucket, dim]`` over the row's pages: ``[1, bucket, heads, dim]``."""
+        q = query[0].transpose(0, 1)
+        if self.backend == "triton":
+            from kvtier.engine import paged_triton
+
+            paged_triton.paged_attention(q, self.pool[layer, 0], self.pool[layer, 1], self.table,
+                                         self.blocks, scaling, self.longest, self.out)
+            return self.out.unsqueeze(0)
+        return self._attend_torch(layer, q, scaling).unsqueeze(0)
+
+    def _attend_torch(self, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Every query over the whole padded table, keys after its own position masked out."""
+        page, heads, dim = self.page_size, self.pool.shape[4], self.pool.shape[5]
+        slots = (self.table.long()[0, :, None] * page + torch.arange(page, device=q.device))
+        slots = slots.reshape(-1)
+        keys = self.pool[layer, 0].view(-1, heads, dim)[slots].transpose(0, 1).to(q.dtype)
+        values = self.pool[layer, 1].view(-1, heads, dim)[slots].transpose(0, 1).to(q.dtype)
+        visible = torch.arange(slots.shape[0], device=q.device)[None, :] <= self.positions[0, :, None]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0),
+                                             values.unsqueeze(0), attn_mask=visible[None, None],
+                                             scale=scaling, enable_gqa=True)
+        return out[0].transpose(0, 1)
 
 
 class SuffixStep:
-    """Runs a lone fresh-hit step through ``graphs``; see the module docstring."""
+    """Runs a lone fresh-hit step through captured paged graphs; see the module docstring.
+    ``scratch_page`` is called once for a page of the pool no sequence uses."""
 
-    def __init__(self, lm: Any, graphs: Any) -> None:
-        self.lm, self.graphs = lm, graphs
-        self.served = 0
+    def __init__(self, lm: Any, capacity_tokens: int, scratch_page: Callable[[], int], *,
+                 capture: bool | None = None, backend: str | None = None) -> None:
+        if capacity_tokens < MAX_TOKENS:
+            raise ValueError(f"captured suffix steps need a capacity of at least {MAX_TOKENS} "
+                             f"tokens, got {capacity_tokens}")
+        self.lm, self.capacity, self._scratch_source = lm, capacity_tokens, scratch_page
+        self.capture = lm.device.type == "cuda" if capture is None else capture
+        self.backend = backend or paged.backend_for(lm.device)
+        self._entries: dict[int, tuple[StaticSuffix, list[Callable[[], None]]]] = {}
+        self._scratch: int | None = None
+        self._pool: Any = None          # the graphs' shared memory pool
+        self._kv: torch.Tensor | None = None
+        self.disabled: str | None = None
+        self.served = self.captures = 0
+        self.capture_s = 0.0
+        self.fallbacks: Counter[str] = Counter()
 
-    def eligible(self, row: Any, prompt_tokens: int, fresh: bool, page_size: int) -> bool:
+    def eligible(self, row: paged.BatchRow, prompt_tokens: int, fresh: bool,
+                 page_size: int) -> bool:
+        """A fresh hit's whole suffix (its past whole pages, new tokens within a bucket)."""
         return (fresh and row.start > 0 and row.start % page_size == 0
-                and row.end == prompt_tokens and 1 <= len(row.tokens) <= MAX_QUERY_TOKENS)
+                and row.end == prompt_tokens and 1 <= len(row.tokens) <= MAX_TOKENS)
 
     @torch.inference_mode()
-    def run(self, row: Any, pool: torch.Tensor) -> torch.Tensor | None:
+    def run(self, row: paged.BatchRow, pool: torch.Tensor) -> torch.Tensor | None:
         """``[1, vocab]`` logits of the row's last token, its KV written into its pages; None
-        where the graphs refuse (nothing written)."""
-        page_size = pool.shape[3]
-        cache = self.lm.new_cache()
-        kv_pages.append_pages(cache, pool, list(row.pages[:row.start // page_size]),
-                              len(row.tokens), row.ticket)
-        if not self.graphs.accepts(cache, len(row.tokens)):
+        where the step runs eagerly instead (nothing written)."""
+        if self.disabled is not None:
             return None
-        logits = self.graphs.forward(list(row.tokens), cache)
-        if logits is None:
+        page_size = int(pool.shape[3])
+        if -(-row.end // page_size) > self.width(page_size):
+            self.fallbacks["too_long"] += 1
             return None
-        write_span(cache, pool, row.pages, row.start, row.end)
+        self._bind(pool)
+        bucket = bucket_for(len(row.tokens))
+        entry = self._entries.get(bucket) or self._build(bucket, pool)
+        if entry is None:
+            return None
+        static, (embed, *layers, head) = entry
+        try:
+            static.fill(row)
+            embed()
+            for layer, step in enumerate(layers):
+                if row.ticket is not None:
+                    row.ticket.stream_wait(layer=layer)
+                step()
+            head()
+        except Exception as exc:  # the step reruns eagerly over the same slots
+            self._disable("replay_failed", exc)
+            return None
         self.served += 1
-        return logits.unsqueeze(0)
+        return static.logits.unsqueeze(0).clone()
 
+    def width(self, page_size: int) -> int:
+        """Pages in a captured table: the capacity, rounded up to whole pages."""
+        return -(-self.capacity // page_size)
 
-def write_span(cache: Any, pool: torch.Tensor, pages: Any, start: int, end: int) -> None:
-    """Copy the cache's tokens ``[start, end)`` into their slots of ``pages`` (any alignment)."""
-    page_size, heads, dim = pool.shape[3], pool.shape[4], pool.shape[5]
-    table = torch.as_tensor(list(pages), dtype=torch.long)
-    slots = (table[:, None] * page_size + torch.arange(page_size)).reshape(-1)[start:end]
-    slots = slots.to(pool.device)
-    for layer in range(pool.shape[0]):
-        for part, tensor in enumerate(kv_pages.cache_layer_kv(cache, layer)):
-            flat = pool[layer, part].view(-1, heads, dim)
-            flat.index_copy_(0, slots, tensor[0, :, start:end].transpose(0, 1).to(flat.dtype))
+    @torch.inference_mode()
+    def warm(self, pool: torch.Tensor) -> int:
+        """Capture every bucket now (not on a request's clock); returns the buckets held."""
+        self._bind(pool)
+        for bucket in BUCKETS:
+            if self.disabled is None and bucket not in self._entries:
+                self._build(bucket, pool)
+        return len(self._entries)
+
+    def _bind(self, pool: torch.Tensor) -> None:
+        if self._kv is not pool:   # another pool: graphs bound to the old one are void
+            self._entries.clear()
+            self._kv, self._scratch = pool, None
+
+    def _build(self, bucket: int, pool: torch.Tensor
+               ) -> tuple[StaticSuffix, list[Callable[[], None]]] | None:
+        try:
+            if self._scratch is None:
+                self._scratch = int(self._scratch_source())
+            static = StaticSuffix(self.lm, pool, bucket, self.width(int(pool.shape[3])),
+                                  self._scratch, self.backend)
+        except Exception as exc:  # no page or no memory for the buffers
+            self._disable("no_memory", exc)
+            return None
+        steps = self._steps(static)
+        if self.capture:
+            started = time.perf_counter()
+            try:
+                steps = self._capture(steps)
+            except Exception as exc:  # any capture failure: serve eagerly
+                self._disable("capture_failed", exc)
+                return None
+            self.captures += 1
+            self.capture_s += time.perf_counter() - started
+        self._entries[bucket] = static, steps
+        return static, steps
+
+    def _disable(self, reason: str, exc: Exception) -> None:
+        self.fallbacks[reason] += 1
+        self.disabled = f"{reason}: {type(exc).__name__}: {exc}".splitlines()[0]
+        self._entries.clear()
+
+    def _steps(self, static: StaticSuffix) -> list[Callable[[], None]]:
+        """The embedding and rotary, each decoder layer, the head: calls on ``static``."""
+        model, body = self.lm.model, self.lm.model.model
+        mask = paged._placeholder_mask(static.ids.device)
+        layers = body.layers[:model.config.num_hidden_layers]
+
+        def embed() -> None:
+            paged.ensure_installed(model)
+            static.hidden.copy_(body.embed_tokens(static.ids))
+            cos, sin = body.rotary_emb(static.hidden, static.positions)
+            if static.embeddings is None:
+                static.embeddings = (torch.empty_like(cos), torch.empty_like(sin))
+            static.embeddings[0].copy_(cos)
+            static.embeddings[1].copy_(sin)
+
+        def layer_step(layer: Any) -> Callable[[], None]:
+            def step() -> None:
+                with paged.batch_context(static):
+                    out = layer(static.hidden, attention_mask=mask,
+                                position_ids=static.positions, use_cache=False,
+                                position_embeddings=static.embeddings)
+                static.hidden.copy_(out[0] if isinstance(out, tuple) else out)
+            return step
+
+        def head() -> None:
+            last = static.hidden.index_select(1, static.last)
+            static.logits.copy_(model.lm_head(body.norm(last))[0, 0].float())
+
+        return [embed, *(layer_step(layer) for layer in layers), head]
+
+    def _capture(self, steps: list[Callable[[], None]]) -> list[Callable[[], None]]:
+        """Warm up on a side stream (Triton compiles, cuBLAS picks kernels) over the padding,
+        then capture each step; every graph shares one memory pool (they never run at once
+        and keep nothing between steps outside the static buffers)."""
+        device = self.lm.device
+        current = torch.cuda.current_stream(device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            for step in steps:
+                step()
+        current.wait_stream(side)
+        graphs = []
+        for step in steps:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                step()
+            if self._pool is None:
+                self._pool = graph.pool()
+            graphs.append(graph)
+        return [graph.replay for graph in graphs]
+
+    def stats(self) -> dict[str, Any]:
+        return {"served": self.served, "captures": self.captures,
+                "capture_s": round(self.capture_s, 3), "buckets": sorted(self._entries),
+                "capacity_tokens": self.capacity, "fallbacks": dict(self.fallbacks),
+                "disabled": self.disabled}

@@ -1,0 +1,69 @@
+"""A lone hit's suffix on the GPU: replayed from captured paged graphs it gives the eager
+batched step's logits (the same kernels: bit-identical in bf16 and fp32 up to the GEMMs' row
+count) and the same greedy tokens, for device and host hits, with the graphs really serving."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.engine import paged
+from kvtier.engine.request import GenerationRequest
+from kvtier.engine.service import EngineService
+from kvtier.engine.suffix_step import SuffixStep
+from test_engine_batching import _prompt
+from test_engine_support import make_config
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("past,new", [(64, 1), (512, 9), (2048, 77)])
+def test_captured_suffix_gives_the_eager_steps_logits(dtype, past, new):
+    service = _service("tiny-llama", dtype, 8192)
+    try:
+        lm, pool = service.lm, service.engine.pages.kv
+        step = SuffixStep(lm, 8192, service.engine.pages.scratch_page)
+        assert step.warm(pool) == 5 and step.disabled is None
+        pages = service.engine.pages.tiered.allocate(-(-(past + new) // 16))
+        tokens = _prompt(past + new, 3)
+        prefix = paged.BatchRow(pages, 0, tokens[:past])
+        suffix = paged.BatchRow(pages, past, tokens[past:])
+        paged.forward_batch(lm, [prefix], pool)
+        eager = paged.forward_batch(lm, [suffix], pool)
+        eager_kv = pool[:, :, pages].clone()
+        captured = step.run(suffix, pool)
+        captured_kv = pool[:, :, pages].clone()
+    finally:
+        service.close()
+    assert captured is not None and step.served == 1
+    assert captured.argmax(-1).tolist() == eager.argmax(-1).tolist()
+    tol = 1e-4 if dtype == "float32" else 2e-2
+    torch.testing.assert_close(captured, eager, rtol=tol, atol=tol)
+    torch.testing.assert_close(captured_kv, eager_kv, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_served_hit_gives_the_same_tokens_with_and_without_suffix_graphs(dtype):
+    prompts = [_prompt(600, 1) + _prompt(n, 10 + i) for i, n in enumerate((3, 40, 100))]
+    results, stats = {}, {}
+    for name, graph_tokens in (("eager", 0), ("graphs", 8192)):
+        service = _service("tiny-llama", dtype, graph_tokens)
+        try:
+            service.generate(GenerationRequest(tuple(prompts[0][:600] + [7]), 1), timeout=300)
+            results[name] = [service.generate(GenerationRequest(tuple(p), 16), timeout=300)[0]
+                             for p in prompts]
+            stats[name] = service.engine.stats()
+        finally:
+            service.close()
+    assert "suffix_graphs" not in stats["eager"]
+    assert stats["graphs"]["suffix_graph_steps"] == len(prompts)
+    assert results["graphs"] == results["eager"]
+
+
+def _service(model: str, dtype: str, graph_tokens: int) -> EngineService:
+    config = make_config(**{"engine.model": model, "engine.device": "cuda",
+                            "engine.dtype": dtype, "engine.graph_tokens": graph_tokens,
+                            "cache.device_pages": 512, "cache.page_size": 16,
+                            "engine.prefill_chunk_tokens": 4096})
+    return EngineService.build(config, max_running=4)
