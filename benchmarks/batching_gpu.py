@@ -48,10 +48,11 @@ def _prompts(count: int, length: int, seed: int, vocab: int) -> list[list[int]]:
 
 
 def _service(lm: Any, device: str, dtype: str, max_running: int, host_pool: str,
-             decode_graph_batch: int | None = None) -> EngineService:
+             decode_graph_batch: int | None = None,
+             device_fraction: float = DEVICE_FRACTION) -> EngineService:
     flags = {"engine.device": device, "engine.dtype": dtype,
              "engine.max_running": str(max_running), "host.pool_bytes": host_pool,
-             "cache.device_memory_fraction": str(DEVICE_FRACTION)}
+             "cache.device_memory_fraction": str(device_fraction)}
     if decode_graph_batch is not None:
         flags["engine.decode_graph_batch"] = str(decode_graph_batch)
     config = build_config(env={}, flags=flags)
@@ -124,7 +125,8 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
     vocab = lm.config.vocab_size
     levels = [int(c) for c in args.concurrency.split(",")]
-    service = _service(lm, args.device, args.dtype, max(levels), args.host_pool)
+    service = _service(lm, args.device, args.dtype, max(levels), args.host_pool,
+                       device_fraction=args.device_fraction)
     out: dict[str, Any] = {}
     try:
         _generate_all(service, _prompts(2, 64, 99, vocab), 8)        # warm-up
@@ -172,8 +174,6 @@ def main() -> int:
     parser.add_argument("--device-fraction", type=float, default=DEVICE_FRACTION)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    global DEVICE_FRACTION
-    DEVICE_FRACTION = args.device_fraction
     result: dict[str, Any] = {"machine": machine_info(), "settings": vars(args) | {"json": None}}
     result["correctness"] = [check_model(m, args.device, 6, 200, 24)
                              for m in args.check_models.split(",") if m]

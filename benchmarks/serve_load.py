@@ -1,7 +1,7 @@
-"""Serving under load on the CPU: continuous batching against one-at-a-time, kvtier against --no-cache.
+"""Serving under load: continuous batching against one-at-a-time, kvtier against --no-cache.
 
-Starts two ``kvtier serve`` processes on loopback (the tiny default model; kvtier on, and
-``--no-cache``), then, with ``kvtier bench serve``'s load generator:
+Starts two ``kvtier serve`` processes on loopback (``--model``, the tiny default on the CPU by
+default; kvtier on, and ``--no-cache``), then, with ``kvtier bench serve``'s load generator:
 
 1. the batching goal: 16 random prompts sent one after another (concurrency 1) and 16 sent at
    once (concurrency 16), on the kvtier server, fresh prompts each (no hits): generated tokens/s
@@ -9,10 +9,12 @@ Starts two ``kvtier serve`` processes on loopback (the tiny default model; kvtie
 2. each workload (random, shared-prefix groups, multi-turn from the Mooncake trace scaled to
    16-token blocks) against both servers: TTFT p50/p99, ITL p50/p99, throughput, cached share.
 
-Prints the tables, writes ``--json`` (+ .txt) and ``--plot``. Usage:
+Prints the tables, writes ``--json`` (+ .txt) and ``--plot``. Usage (the CPU; the H200)::
 
-    PYTHONPATH=src python benchmarks/serve_cpu.py --json benchmarks/results/serve_cpu.json \\
+    PYTHONPATH=src python benchmarks/serve_load.py --json benchmarks/results/serve_cpu.json \\
         --plot benchmarks/results/serve_cpu.png
+    PYTHONPATH=src python benchmarks/serve_load.py --device cuda --model llama3-8b-shape \\
+        --scale 8 --json serve_h200.json --plot serve_h200.png
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ BATCH_GOAL = 3.0
 #: torch threads per server (``--threads``): on a machine shared with other jobs, one thread per
 #: server avoids OpenMP spinning against them (a 16-row step ran 25x slower with 2 threads there).
 THREADS = ["1"]
+#: Where and what the servers run (``--device``, ``--model``, pools).
+SERVER = [["--device", "cpu", "--host.pool_bytes", "64MiB",
+           "--host.pinned_budget_bytes", "256MiB"]]
 
 
 def _free_port() -> int:
@@ -52,14 +57,13 @@ def _free_port() -> int:
 def server(extra: list[str], log: Path) -> Iterator[str]:
     """A ``kvtier serve`` subprocess; yields its base URL once /health answers."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "kvtier", "serve", "--port", str(port), "--device", "cpu",
-           "--host.pool_bytes", "64MiB", "--host.pinned_budget_bytes", "256MiB", *extra]
+    cmd = [sys.executable, "-m", "kvtier", "serve", "--port", str(port), *SERVER[0], *extra]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": THREADS[0]}
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 180
+        deadline = time.time() + 600
         while time.time() < deadline:
             with contextlib.suppress(OSError):
                 urllib.request.urlopen(url + "/health", timeout=2).read()
@@ -73,10 +77,17 @@ def server(extra: list[str], log: Path) -> Iterator[str]:
         proc.wait(30)
 
 
+#: Prompt lengths multiply by this (``--scale``): 1 on the CPU's tiny model, 8 for an 8B model
+#: on the GPU, where 128-token prompts would measure launch overhead only.
+SCALE = [1]
+TRACE_PATH = [str(TRACE)]
+
+
 def _args(**kw: object) -> SimpleNamespace:
+    scale = SCALE[0]
     base = {"workload": "random", "num_requests": 16, "concurrency": 16, "request_rate": None,
-            "input_len": 128, "output_len": 64, "groups": 4, "prefix_len": 256,
-            "trace": str(TRACE), "block_tokens": 16, "vocab": 1000, "seed": 0, "api_key": ""}
+            "input_len": 128 * scale, "output_len": 64, "groups": 4, "prefix_len": 256 * scale,
+            "trace": TRACE_PATH[0], "block_tokens": 16, "vocab": 1000, "seed": 0, "api_key": ""}
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -96,11 +107,15 @@ def batching_goal(url: str) -> dict[str, object]:
     return {"runs": runs, "ratio": round(ratio, 2), "goal": BATCH_GOAL, "met": ratio >= BATCH_GOAL}
 
 
-WORKLOADS = {
-    "random": _args(seed=3, num_requests=32),
-    "shared-prefix": _args(workload="shared-prefix", num_requests=32, input_len=32, seed=4),
-    "multi-turn": _args(workload="multi-turn", num_requests=40, output_len=32),
-}
+def workloads() -> dict[str, SimpleNamespace]:
+    scale = SCALE[0]
+    return {
+        "random": _args(seed=3, num_requests=32),
+        "shared-prefix": _args(workload="shared-prefix", num_requests=32, input_len=32 * scale,
+                               seed=4),
+        "multi-turn": _args(workload="multi-turn", num_requests=40, output_len=32,
+                            block_tokens=16 * scale),
+    }
 
 
 def main() -> int:
@@ -109,9 +124,20 @@ def main() -> int:
     parser.add_argument("--plot", type=Path)
     parser.add_argument("--logs", type=Path, default=Path("/tmp"))
     parser.add_argument("--threads", default="1", help="OMP_NUM_THREADS of each server.")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--model", default="tiny-llama")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--scale", type=int, default=1, help="Prompt lengths times this.")
+    parser.add_argument("--host-pool", default="64MiB")
+    parser.add_argument("--pinned-budget", default="256MiB")
+    parser.add_argument("--trace", default=str(TRACE), help="The multi-turn workload's trace.")
     args = parser.parse_args()
-    THREADS[0] = args.threads
-    result: dict[str, object] = {"machine": machine_info(), "server_threads": args.threads}
+    THREADS[0], SCALE[0], TRACE_PATH[0] = args.threads, args.scale, args.trace
+    SERVER[0] = ["--device", args.device, "--model", args.model, "--dtype", args.dtype,
+                 "--host.pool_bytes", args.host_pool,
+                 "--host.pinned_budget_bytes", args.pinned_budget]
+    result: dict[str, object] = {"machine": machine_info(), "server_threads": args.threads,
+                                 "server_args": SERVER[0], "scale": args.scale}
     tables = []
     with server([], args.logs / "kvtier_serve_on.log") as on, \
             server(["--no-cache"], args.logs / "kvtier_serve_off.log") as off:
@@ -119,10 +145,10 @@ def main() -> int:
         warm(off)
         goal = batching_goal(on)
         result["batching"] = goal
-        tables.append(f"## batching (kvtier server, random 128-token prompts, 64 new tokens)\n"
+        tables.append(f"## batching (kvtier server, random {128 * SCALE[0]}-token prompts, 64 new tokens)\n"
                       f"{bench_serve.table(goal['runs'])}\nratio {goal['ratio']}x "
                       f"(goal >= {BATCH_GOAL}x: {'met' if goal['met'] else 'NOT met'})")
-        for name, wargs in WORKLOADS.items():
+        for name, wargs in workloads().items():
             requests = bench_serve.build_workload(wargs)
             runs = {"kvtier": bench_serve.measure(on, requests, wargs),
                     "no-cache": bench_serve.measure(off, requests, wargs)}
@@ -135,8 +161,8 @@ def main() -> int:
         args.json.with_suffix(".txt").write_text(text + "\n")
     if args.plot:
         flat = {**{k: v for k, v in goal["runs"].items()},
-                **{f"{w} {s}": r for w in WORKLOADS for s, r in result[w]["runs"].items()}}
-        plot_runs(flat, args.plot, title="kvtier bench serve, CPU, tiny-llama")
+                **{f"{w} {s}": r for w in workloads() for s, r in result[w]["runs"].items()}}
+        plot_runs(flat, args.plot, title=f"kvtier bench serve, {args.device}, {args.model}")
     return 0
 
 
