@@ -17,8 +17,34 @@ from test_engine_support import make_config
 pytestmark = pytest.mark.gpu
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("kv_heads,n_rep,dim,page", [(8, 4, 128, 64), (2, 7, 64, 16)])
+@pytest.mark.parametrize("start,count", [(0, 300), (255, 1), (4096, 8), (33000, 32)])
+def test_the_split_prefill_gives_the_serial_kernels_bits(dtype, kv_heads, n_rep, dim, page,
+                                                         start, count):
+    from kvtier.engine import paged_prefill_split, paged_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(start + count)
+    pages = -(-(start + count) // page)
+    k = torch.randn(pages + 1, page, kv_heads, dim, device="cuda", generator=gen).to(dtype)
+    v = torch.randn(pages + 1, page, kv_heads, dim, device="cuda", generator=gen).to(dtype)
+    table = torch.randperm(pages + 1, device="cuda", generator=gen)[None].to(torch.int32)
+    query = torch.randn(count, kv_heads * n_rep, dim, device="cuda", generator=gen).to(dtype)
+    per_block = paged_triton.MAX_ROWS // n_rep
+    blocks = torch.as_tensor([(0, off, min(per_block, count - off), start + off)
+                              for off in range(0, count, per_block)], dtype=torch.int32,
+                             device="cuda")
+    serial = paged_triton.paged_attention(query, k, v, table, blocks, dim ** -0.5, per_block)
+    parts = paged_prefill_split.partials(blocks.shape[0], kv_heads,
+                                         -(-(start + count) // paged_triton.CHUNK_TOKENS), dim,
+                                         query.device)
+    split = paged_prefill_split.split_prefill(query, k, v, table, blocks, dim ** -0.5,
+                                              torch.empty_like(query), parts)
+    assert torch.equal(split, serial)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("past,new", [(64, 1), (512, 9), (2048, 77)])
+@pytest.mark.parametrize("past,new", [(64, 1), (512, 9), (2048, 77), (4096, 20)])
 def test_captured_suffix_gives_the_eager_steps_logits(dtype, past, new):
     service = _service("tiny-llama", dtype, 8192)
     try:

@@ -27,38 +27,30 @@ import triton.language as tl
 from kvtier.engine import paged_split
 
 BLOCK_N = 32
-#: Query rows (tokens x query heads per KV head) one program holds at most.
+#: Query rows (tokens x query heads per KV head) one program holds: always this many, so that
+#: a query's dots run in one tile shape whatever its step holds.
 MAX_ROWS = 64
+#: Keys per chunk of the online softmax: a query's keys are summed in chunks from position 0,
+#: each chunk from scratch, folded in order (``merge_chunk``), so that the split launch of
+#: ``paged_split_prefill`` (one program per chunk) computes the same bits as this serial one.
+CHUNK_TOKENS = 256
 
 
-@triton.jit(do_not_specialize=["max_pages"])
-def paged_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, blocks_ptr,
-                           sq_t, sq_h, sk_tok, sk_h, max_pages, n_rep, page_size, scale_log2,
-                           HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
-                           BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    """One query block (row of ``blocks``: sequence, first query, queries, first position)
-    and one KV head."""
-    block = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    seq = tl.load(blocks_ptr + block * 4)
-    q_first = tl.load(blocks_ptr + block * 4 + 1)
-    q_count = tl.load(blocks_ptr + block * 4 + 2)
-    pos_first = tl.load(blocks_ptr + block * 4 + 3)
-    rows = tl.arange(0, BLOCK_R)
-    token = rows // n_rep
-    row_ok = token < q_count
-    q_head = kv_head * n_rep + rows % n_rep
+@triton.jit
+def chunk_softmax(q, k_ptr, v_ptr, table_ptr, seq, max_pages, page_size, sk_tok, sk_h, kv_head,
+                  chunk_start, chunk_end, last_visible, scale_log2,
+                  HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """Keys ``[chunk_start, chunk_end)`` of one sequence for ``BLOCK_R`` query rows (causal:
+    a row sees keys up to its ``last_visible``): the chunk's running maximum, sum and
+    unnormalized output in fp32. A row that sees none of them gets (-inf, 0, 0)."""
     dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + (q_first + token)[:, None] * sq_t + q_head[:, None] * sq_h
-                + dims[None, :], mask=row_ok[:, None], other=0.0)
-    last_visible = pos_first + token
-    n_keys = pos_first + q_count
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, HEAD_DIM], tl.float32)
-    for start in range(0, n_keys, BLOCK_N):
+    for start in range(chunk_start, chunk_end, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        col_ok = cols < n_keys
+        col_ok = cols < chunk_end
         page = tl.load(table_ptr + seq * max_pages + cols // page_size, mask=col_ok, other=0)
         slot = page.to(tl.int64) * page_size + cols % page_size
         offsets = slot[:, None] * sk_tok + kv_head * sk_h + dims[None, :]
@@ -74,10 +66,55 @@ def paged_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, blocks_ptr,
         v = tl.load(v_ptr + offsets, mask=col_ok[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
-    acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    return m_i, l_i, acc
+
+
+@triton.jit
+def merge_chunk(m_run, l_run, acc_run, m_s, l_s, acc_s):
+    """Fold one chunk's partial into the running one (chunks in key order). A chunk a row
+    does not see (-inf, 0, 0) leaves the row's running values exactly as they were."""
+    m_new = tl.maximum(m_run, m_s)
+    alpha = tl.exp2(m_run - m_new)
+    beta = tl.exp2(m_s - m_new)
+    return m_new, l_run * alpha + l_s * beta, acc_run * alpha[:, None] + acc_s * beta[:, None]
+
+
+@triton.jit(do_not_specialize=["max_pages"])
+def paged_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, blocks_ptr,
+                           sq_t, sq_h, sk_tok, sk_h, max_pages, n_rep, page_size, scale_log2,
+                           HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
+                           BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr):
+    """One query block (row of ``blocks``: sequence, first query, queries, first position)
+    and one KV head, its keys in ``CHUNK``-key chunks from position 0, folded in order."""
+    block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.load(blocks_ptr + block * 4)
+    q_first = tl.load(blocks_ptr + block * 4 + 1)
+    q_count = tl.load(blocks_ptr + block * 4 + 2)
+    pos_first = tl.load(blocks_ptr + block * 4 + 3)
+    rows = tl.arange(0, BLOCK_R)
+    token = rows // n_rep
+    row_ok = token < q_count
+    q_head = kv_head * n_rep + rows % n_rep
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + (q_first + token)[:, None] * sq_t + q_head[:, None] * sq_h
+                + dims[None, :], mask=row_ok[:, None], other=0.0)
+    last_visible = pos_first + token
+    n_keys = pos_first + q_count
+    m_run, l_run, acc_run = chunk_softmax(
+        q, k_ptr, v_ptr, table_ptr, seq, max_pages, page_size, sk_tok, sk_h, kv_head, 0,
+        tl.minimum(CHUNK, n_keys), last_visible, scale_log2, HEAD_DIM, BLOCK_R, BLOCK_N,
+        PRECISION)
+    for chunk_start in range(CHUNK, n_keys, CHUNK):
+        m_s, l_s, acc_s = chunk_softmax(
+            q, k_ptr, v_ptr, table_ptr, seq, max_pages, page_size, sk_tok, sk_h, kv_head,
+            chunk_start, tl.minimum(chunk_start + CHUNK, n_keys), last_visible, scale_log2,
+            HEAD_DIM, BLOCK_R, BLOCK_N, PRECISION)
+        m_run, l_run, acc_run = merge_chunk(m_run, l_run, acc_run, m_s, l_s, acc_s)
+    acc_run = acc_run / tl.where(l_run > 0.0, l_run, 1.0)[:, None]
     out_row = (q_first + token) * tl.num_programs(1) * n_rep + q_head  # out is [T, heads, dim]
     out_offsets = out_row[:, None] * HEAD_DIM + dims[None, :]
-    tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(out_ptr + out_offsets, acc_run.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 class TritonBatch:
@@ -149,14 +186,15 @@ def paged_attention(query: torch.Tensor, key_pages: torch.Tensor, value_pages: t
     if not key_pages.is_contiguous() or not value_pages.is_contiguous() or query.stride(-1) != 1:
         raise ValueError("pages must be contiguous and queries contiguous in their last dim")
     n_rep = heads // kv_heads
-    rows = longest * n_rep
-    block_r = max(16, triton.next_power_of_2(rows))
+    if longest * n_rep > MAX_ROWS and longest > 1:
+        raise ValueError(f"a query block holds at most {MAX_ROWS} rows, got {longest} x {n_rep}")
+    block_r = max(MAX_ROWS, triton.next_power_of_2(n_rep))
     if out is None:
         out = torch.empty((total, heads, dim), dtype=query.dtype, device=query.device)
     paged_attention_kernel[(blocks.shape[0], kv_heads)](
         query, key_pages, value_pages, out, table, blocks,
         query.stride(0), query.stride(1), key_pages.stride(1), key_pages.stride(2),
         table.shape[1], n_rep, key_pages.shape[1], scaling * 1.4426950408889634,
-        HEAD_DIM=dim, BLOCK_R=block_r, BLOCK_N=BLOCK_N,
+        HEAD_DIM=dim, BLOCK_R=block_r, BLOCK_N=BLOCK_N, CHUNK=CHUNK_TOKENS,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32")
     return out

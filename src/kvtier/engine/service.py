@@ -151,9 +151,9 @@ def _suffix_step(config: KvtierConfig, lm: CausalLM, pages: Any, prefix_cache: A
     if (prefix_cache is None or config.engine.graph_tokens <= 0
             or not _graphs_serve(lm, "suffix graphs")):
         return None
-    from kvtier.engine.suffix_step import SuffixStep
+    from kvtier.engine.suffix_step import MAX_PAST_TOKENS, SuffixStep
 
-    step = SuffixStep(lm, lm.max_positions, pages.scratch_page)
+    step = SuffixStep(lm, min(lm.max_positions, MAX_PAST_TOKENS), pages.scratch_page)
     step.warm(pages.kv)
     return step
 

@@ -38,6 +38,15 @@ from kvtier.engine import paged
 
 BUCKETS = (8, 16, 32, 64, 128)
 MAX_TOKENS = BUCKETS[-1]
+#: Buckets up to this many new tokens attend with the split launch (``paged_prefill_split``):
+#: a few tokens give the serial kernel a handful of programs over the whole past. Larger
+#: buckets have query blocks enough, and their partials would cost 2-4x the memory.
+SPLIT_BUCKET = 32
+#: Longest past + new tokens the captured steps serve (on CUDA): the split partials are sized
+#: for it (``SPLIT_BUCKET`` tokens x query heads x 256 chunks x head_dim in fp32: 134 MB for
+#: an 8B model's 32 x 128). A longer hit steps eagerly; its load (hundreds of milliseconds)
+#: dwarfs the eager forward's launches.
+MAX_PAST_TOKENS = 65536
 #: Query rows one program of the paged kernel holds, as ``paged_triton.MAX_ROWS`` (kept here
 #: so that this module imports without Triton; a test checks they agree).
 MAX_ROWS = 64
@@ -52,9 +61,10 @@ class StaticSuffix:
     """One bucket's static inputs and outputs, and the attention's batch inside its graphs."""
 
     def __init__(self, lm: Any, pool: torch.Tensor, bucket: int, width: int, scratch_page: int,
-                 backend: str) -> None:
+                 backend: str, parts: Any = None) -> None:
         device, config = pool.device, lm.config
         self.pool, self.bucket, self.width, self.backend = pool, bucket, width, backend
+        self.parts = parts   # split-launch partials (``paged_prefill_split``), or None: serial
         self.page_size, self.scratch_page = int(pool.shape[3]), scratch_page
         n_rep = config.num_attention_heads // int(pool.shape[4])
         self.per_block = max(1, MAX_ROWS // n_rep)
@@ -113,10 +123,16 @@ class StaticSuffix:
         """``query`` ``[1, heads, bucket, dim]`` over the row's pages: ``[1, bucket, heads, dim]``."""
         q = query[0].transpose(0, 1)
         if self.backend == "triton":
-            from kvtier.engine import paged_triton
+            from kvtier.engine import paged_prefill_split, paged_triton
 
-            paged_triton.paged_attention(q, self.pool[layer, 0], self.pool[layer, 1], self.table,
-                                         self.blocks, scaling, self.longest, self.out)
+            if self.parts is not None:
+                paged_prefill_split.split_prefill(q, self.pool[layer, 0], self.pool[layer, 1],
+                                                  self.table, self.blocks, scaling, self.out,
+                                                  self.parts)
+            else:
+                paged_triton.paged_attention(q, self.pool[layer, 0], self.pool[layer, 1],
+                                             self.table, self.blocks, scaling, self.longest,
+                                             self.out)
             return self.out.unsqueeze(0)
         return self._attend_torch(layer, q, scaling).unsqueeze(0)
 
@@ -148,6 +164,7 @@ class SuffixStep:
         self.backend = backend or paged.backend_for(lm.device)
         self._entries: dict[int, tuple[StaticSuffix, list[Callable[[], None]]]] = {}
         self._scratch: int | None = None
+        self._parts: Any = None         # split partials shared by the split buckets
         self._pool: Any = None          # the graphs' shared memory pool
         self._kv: torch.Tensor | None = None
         self.disabled: str | None = None
@@ -207,7 +224,7 @@ class SuffixStep:
     def _bind(self, pool: torch.Tensor) -> None:
         if self._kv is not pool:   # another pool: graphs bound to the old one are void
             self._entries.clear()
-            self._kv, self._scratch = pool, None
+            self._kv, self._scratch, self._parts = pool, None, None
 
     def _build(self, bucket: int, pool: torch.Tensor
                ) -> tuple[StaticSuffix, list[Callable[[], None]]] | None:
@@ -215,7 +232,7 @@ class SuffixStep:
             if self._scratch is None:
                 self._scratch = int(self._scratch_source())
             static = StaticSuffix(self.lm, pool, bucket, self.width(int(pool.shape[3])),
-                                  self._scratch, self.backend)
+                                  self._scratch, self.backend, self._split_parts(pool, bucket))
         except Exception as exc:  # no page or no memory for the buffers
             self._disable("no_memory", exc)
             return None
@@ -231,6 +248,22 @@ class SuffixStep:
             self.capture_s += time.perf_counter() - started
         self._entries[bucket] = static, steps
         return static, steps
+
+    def _split_parts(self, pool: torch.Tensor, bucket: int) -> Any:
+        """The split partials (allocated once, for ``SPLIT_BUCKET``) for a split bucket on
+        CUDA; None where the serial kernel runs."""
+        if self.backend != "triton" or bucket > SPLIT_BUCKET:
+            return None
+        if self._parts is None:
+            from kvtier.engine import paged_prefill_split, paged_triton
+
+            n_rep = self.lm.config.num_attention_heads // int(pool.shape[4])
+            blocks = -(-SPLIT_BUCKET // max(1, MAX_ROWS // n_rep))
+            chunks = -(-self.width(int(pool.shape[3])) * int(pool.shape[3])
+                       // paged_triton.CHUNK_TOKENS)
+            self._parts = paged_prefill_split.partials(blocks, int(pool.shape[4]), chunks,
+                                                       int(pool.shape[5]), pool.device)
+        return self._parts
 
     def _disable(self, reason: str, exc: Exception) -> None:
         self.fallbacks[reason] += 1
