@@ -19,9 +19,13 @@ H200)::
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import shutil
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from kvtier.config import build_config
 from kvtier.engine import paged
@@ -36,14 +40,23 @@ def _service(lm: Any, args: argparse.Namespace, dtype: str, page_size: int, cach
     flags = {"engine.device": args.device, "engine.dtype": dtype, "cache.page_size": page_size,
              "cache.enabled": str(cache).lower(), "engine.max_running": str(running),
              "host.pool_bytes": "512MiB" if cache else "0",
+             "store.disk_url": f"file://{args.disk}" if cache and args.disk else "",
              "server.max_concurrent_requests": str(max(64, 2 * running))}
     flags.update(dict(item.split("=", 1) for item in args.set))
-    return EngineService.build(build_config(env={}, flags=flags), lm=lm)
+    return EngineService.build(build_config(env={}, flags=flags), lm=lm,
+                               split=args.split if cache else "plan")
 
 
-def _run(service: EngineService, batch: list[list[int]], new: int) -> list[list[int]]:
+def _run(service: EngineService, batch: list[list[int]], new: int,
+         served: dict[str, int] | None = None) -> list[list[int]]:
+    """Greedy tokens of each prompt; ``served`` adds up the cached tokens by tier."""
     handles = [service.submit(GenerationRequest(tuple(p), new)) for p in batch]
-    return [h.result(timeout=1800)[0] for h in handles]
+    results = [h.result(timeout=1800) for h in handles]
+    for _, finish in results:
+        for tier, tokens in finish.prefill.cached_by_tier.items():
+            if served is not None:
+                served[tier] = served.get(tier, 0) + tokens
+    return [tokens for tokens, _ in results]
 
 
 def _drop(service: EngineService, tiers: tuple[str, ...]) -> None:
@@ -60,19 +73,30 @@ def run_cell(args: argparse.Namespace, arch: str, dtype: str, page_size: int) ->
     finally:
         plain.close()
     got: dict[str, list[list[int]]] = {"device": [], "host": []}
+    served: dict[str, dict[str, int]] = {"device": {}, "host": {}, "disk": {}, "batched": {}}
+    if args.disk:
+        got["disk"] = []
+        shutil.rmtree(args.disk, ignore_errors=True)
     cached = _service(lm, args, dtype, page_size, True, max(1, len(pairs)))
     try:
         for prompt, sibling in pairs:
             _drop(cached, ("device", "host"))
             _run(cached, [sibling], 1)
-            got["device"].append(_run(cached, [prompt], args.new_tokens)[0])
+            got["device"].append(_run(cached, [prompt], args.new_tokens, served["device"])[0])
             _drop(cached, ("device",))
-            got["host"].append(_run(cached, [prompt], args.new_tokens)[0])
+            got["host"].append(_run(cached, [prompt], args.new_tokens, served["host"])[0])
+            if args.disk:   # the store's copy, through the hybrid split the planner chooses
+                _drop(cached, ("device", "host"))
+                got["disk"].append(_run(cached, [prompt], args.new_tokens, served["disk"])[0])
         _drop(cached, ("device", "host"))
         _run(cached, [s for _, s in pairs], 1)
-        got["batched"] = _run(cached, [p for p, _ in pairs], args.new_tokens)
+        got["batched"] = _run(cached, [p for p, _ in pairs], args.new_tokens, served["batched"])
     finally:
         cached.close()
+    del plain, cached   # their device pools go before the next cell sizes its own
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     cells = []
     for tier, rows in got.items():
         same = sum(a == b for a, b in zip(rows, wants, strict=True))
@@ -80,7 +104,7 @@ def run_cell(args: argparse.Namespace, arch: str, dtype: str, page_size: int) ->
                   for a, b in zip(rows, wants, strict=True)]
         cells.append({"arch": arch, "dtype": dtype, "page_size": page_size, "tier": tier,
                       "prompts": len(rows), "identical_share": round(same / len(rows), 4),
-                      "identical": same == len(rows),
+                      "identical": same == len(rows), "cached_tokens_by_tier": served[tier],
                       "first_divergent": [f for f in firsts if f >= 0][:20]})
     return cells
 
@@ -97,6 +121,10 @@ def main() -> int:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--disk", default="",
+                        help="a directory for a disk tier: adds disk hits (after the host cell)")
+    parser.add_argument("--split", default="plan", choices=("plan", "load", "recompute"),
+                        help="how store hits are served: the planner's split, or load them whole")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="a config field for both engines, e.g. engine.graph_tokens=0")
     parser.add_argument("--json", type=Path)
