@@ -20,7 +20,7 @@ import importlib
 import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from kvtier.keys import KEY_BYTES
@@ -290,4 +290,5 @@ def make_eviction_policy(name: str, **options: Any) -> EvictionPolicy:
 
         raise ConfigError("eviction policy", name, ", ".join(sorted(EVICTION_POLICIES)))
     module, _, cls = EVICTION_POLICIES[name].partition(":")
-    return getattr(importlib.import_module(module), cls)(**options)
+    factory: Callable[..., EvictionPolicy] = getattr(importlib.import_module(module), cls)
+    return factory(**options)

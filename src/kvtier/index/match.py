@@ -58,6 +58,7 @@ class IndexMatch:
                 value = node.res[t]
                 if value is NO_IDS:
                     raise ValueError(f"tier {tier} has no page ids")
+                assert value is not None, "a node within a tier's depth is on that tier"
                 out.extend(value[lo - pos:hi - pos])
             pos += used
             if pos >= stop:

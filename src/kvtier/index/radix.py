@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any, cast
+from typing import cast
 
 from kvtier.errors import PoolExhausted
 from kvtier.index.insert import InsertWalk
@@ -34,14 +34,14 @@ from kvtier.index.integrity import check_index
 from kvtier.index.match import IndexMatch, InsertResult
 from kvtier.index.residency import TIERS, Allocator, Node, TierLedger, TierSizes, tier_index
 from kvtier.index.tree import EvictHook, ResidencyObserver, Tree
-from kvtier.keys import token_bytes
+from kvtier.keys import Tokens, token_bytes
 
 __all__ = ["EvictHook", "RadixIndex", "ResidencyObserver", "as_token_bytes", "salt_bytes"]
 
 _ALL_TIERS = (1 << len(TIERS)) - 1
 
 
-def as_token_bytes(tokens: Any) -> bytes:
+def as_token_bytes(tokens: Tokens) -> bytes:
     """Token ids as uint32 little-endian bytes (bytes pass through unchanged)."""
     if isinstance(tokens, bytes):
         return tokens
@@ -66,7 +66,7 @@ class RadixIndex(Tree):
     """
 
     # ---- lookup (no mutation) ------------------------------------------------------------
-    def match(self, tokens: Any, salt: bytes | str | None = None) -> IndexMatch:
+    def match(self, tokens: Tokens, salt: bytes | str | None = None) -> IndexMatch:
         """The longest indexed prefix of ``tokens`` and each tier's depth along it."""
         data = as_token_bytes(tokens)
         key = salt_bytes(salt)
@@ -119,7 +119,7 @@ class RadixIndex(Tree):
             for ledger in self.ledgers:
                 ledger.policy.touch(node)
     # ---- insert --------------------------------------------------------------------------
-    def insert(self, tokens: Any, keys: Sequence[bytes] | None = None, *, tier: str,
+    def insert(self, tokens: Tokens, keys: Sequence[bytes] | None = None, *, tier: str,
                ids: Sequence[int] | None = None, salt: bytes | str | None = None,
                start: int = 0, stop: int | None = None, strict: bool = True) -> InsertResult:
         """Put prefix pages ``[start, stop)`` of ``tokens`` on ``tier`` (``ids[i]`` for page
@@ -163,7 +163,7 @@ class RadixIndex(Tree):
             return match
         return self.match(match.data, match.salt)
 
-    def boundary(self, tokens: Any, pages: int, salt: bytes | str | None = None) -> Node | None:
+    def boundary(self, tokens: Tokens, pages: int, salt: bytes | str | None = None) -> Node | None:
         """The node ending exactly after prefix page ``pages`` (splitting one if needed)."""
         if pages == 0:
             return None
@@ -258,7 +258,7 @@ class RadixIndex(Tree):
     def sizes(self, tier: str) -> TierSizes:
         return self.ledgers[tier_index(tier)].sizes()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, object]:
         nodes = sum(1 for _ in self.iter_nodes())
         return {"nodes": nodes, "salts": len(self._roots),
                 "tiers": {ledger.name: vars(ledger.sizes()) for ledger in self.ledgers}}

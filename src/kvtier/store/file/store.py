@@ -6,7 +6,7 @@ records) and verifies every one, appends writes to this process's own segment, a
 them through the shared journal (``journal``) only once their bytes are complete. Several
 processes may open one directory at once: each appends to its own segments, and every process
 sees the others' pages as soon as it next touches the store (one ``fstat`` of the journal per
-call). Eviction lives in ``evict`` (acting through ``site``, the operations it is offered);
+call). Eviction lives in ``evict`` (acting through a ``site.SegmentSite`` over this handle);
 record IO in ``record_io``; the layout in ``segment``. No background threads: the IO worker
 threads that call the store do all the work, so nothing can die silently.
 
@@ -59,12 +59,17 @@ from kvtier.store.record import Verdict
 
 log = logging.getLogger(__name__)
 
+#: Reads pinned records into views: (locations, descriptors, keys, views) -> (found per key,
+#: corrupt records, IO errors); ``RecordIO.read_many`` or a per-record variant.
+Reader = Callable[[list[int | None], dict[int, int | None], Sequence[bytes], list[memoryview]],
+                  tuple[list[bool], int, int]]
+
 #: Compact the journal once it holds this many entries more than ``COMPACT_FACTOR`` x live pages.
 COMPACT_MIN_ENTRIES = 65536
 COMPACT_FACTOR = 4
 
 
-class FileStore(SegmentSite, PageStore):
+class FileStore(PageStore):
     """Pages in segment files under one directory, shared safely between processes."""
 
     scheme = "file"
@@ -94,7 +99,7 @@ class FileStore(SegmentSite, PageStore):
         self.writer = SegmentWriter(self.segments_dir, self.layout,
                                     new_id=self.new_segment_id,
                                     direct=self.options.direct)
-        self.evictor = Evictor(self)
+        self.evictor = Evictor(SegmentSite(self))
         try:
             self.open_seconds = self._load()
             self.evictor.clean_leftovers()
@@ -130,6 +135,11 @@ class FileStore(SegmentSite, PageStore):
                 self.index.drop_segment(seg)  # unlinked by an eviction that did not journal
             self.index.note_segment_files(on_disk, self.layout.segment_slots_in)
         return time.perf_counter() - start
+
+    @property
+    def index_lock(self) -> threading.Lock:
+        """The lock that guards the index and the journal handle (the evictor's site takes it)."""
+        return self._lock
 
     # ---- index upkeep --------------------------------------------------------------------
     def refresh(self) -> None:
@@ -191,7 +201,7 @@ class FileStore(SegmentSite, PageStore):
         return self._read(keys, views, lambda locs, fds, ks, vs: self.io.each(
             plans_of(locs, fds), ks, vs, one))
 
-    def _read(self, keys: Sequence[bytes], views: list[memoryview], reader: Any) -> list[bool]:
+    def _read(self, keys: Sequence[bytes], views: list[memoryview], reader: Reader) -> list[bool]:
         self.refresh()
         locs, fds = self._pin(keys)
         try:
