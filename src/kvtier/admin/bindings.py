@@ -197,7 +197,7 @@ class BindingTable:
         if lags:
             log.error("%s still has readers left behind: %s", slot, "; ".join(map(str, lags)))
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, object]:
         slots = {}
         for slot, binding in sorted(self._current.items()):
             slots[slot] = {"generation": binding.generation, "bound": binding.resource is not None,

@@ -143,7 +143,7 @@ class StorageAdmin:
         return rows
 
     # ---- changes (engine thread) ---------------------------------------------------------------
-    def attach(self, tier: str, url: str, max_bytes: int | None = None) -> dict[str, Any]:
+    def attach(self, tier: str, url: str, max_bytes: int | None = None) -> dict[str, object]:
         self._check_tier(tier)
         if self.ctx.stores.get(tier) is not None:
             raise Busy(f"the {tier} tier already has a store ({self.urls.get(tier)}); detach it "
@@ -166,7 +166,7 @@ class StorageAdmin:
         self.urls[tier] = shown
         return {"tier": tier, "attached": shown, "generation": binding.generation}
 
-    def detach(self, tier: str, wait_s: float | None = None) -> dict[str, Any]:
+    def detach(self, tier: str, wait_s: float | None = None) -> dict[str, object]:
         store = self._attached(tier)
         url = self.urls.get(tier)
         with self._paused(tier, store, restore_on_success=False):
@@ -187,7 +187,7 @@ class StorageAdmin:
         return {"tier": tier, "detached": url, "cancelled_jobs": cancelled,
                 "generation": binding.generation}
 
-    def clear(self, tier: str, wait_s: float | None = None) -> dict[str, Any]:
+    def clear(self, tier: str, wait_s: float | None = None) -> dict[str, object]:
         store = self._attached(tier)
         clear = getattr(store, "clear", None)
         if not callable(clear):
@@ -203,7 +203,7 @@ class StorageAdmin:
         return {"tier": tier, "pages_before": before, "pages_after": store.stats().pages,
                 "cancelled_jobs": cancelled}
 
-    def flush(self) -> dict[str, Any]:
+    def flush(self) -> dict[str, object]:
         return {"dropped_pages": self.cache.flush()}
 
     def store_to_resize(self, tier: str) -> PageStore:
@@ -215,7 +215,7 @@ class StorageAdmin:
         return store
 
     @staticmethod
-    def resize(tier: str, store: Any, max_bytes: int) -> dict[str, Any]:
+    def resize(tier: str, store: Any, max_bytes: int) -> dict[str, object]:
         """Set the cap; a shrink evicts until the store fits and returns when it does."""
         before = store.stats()
         result = store.resize(max_bytes)

@@ -85,7 +85,7 @@ def describe_url(store: PageStore) -> str:
     return f"{getattr(store, 'scheme', 'store')}://{getattr(store, 'name', '') or ''}"
 
 
-def usage_and_health(store: PageStore) -> dict[str, Any]:
+def usage_and_health(store: PageStore) -> dict[str, object]:
     """Backend, pages, bytes, cap and counters of a store, and whether it answers."""
     try:
         stats = store.stats()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
 
 from kvtier.controller.backups import Backups
 from kvtier.controller.context import CacheContext
@@ -29,7 +28,9 @@ from kvtier.controller.prefetch import Prefetcher
 from kvtier.controller.ranks import Collective, RankAgreement
 from kvtier.controller.split import RateBook, plan_split
 from kvtier.controller.writes import HostWriter
+from kvtier.hints import CacheHint
 from kvtier.index.radix import as_token_bytes, salt_bytes
+from kvtier.keys import Tokens
 
 
 class CacheController:
@@ -87,7 +88,7 @@ class CacheController:
         self.engine_pages.difference_update(ids)
         self.ctx.index.free("device", ids)
 
-    def commit(self, tokens: Any, device_page_ids: Sequence[int],
+    def commit(self, tokens: Tokens, device_page_ids: Sequence[int],
                salt: bytes | str | None = None) -> None:
         """Insert every full page of ``tokens`` on device; ownership of every id passed moves
         to the cache (ids of pages it already holds are freed), then the write policy runs."""
@@ -112,7 +113,7 @@ class CacheController:
         self.hints.observe(result.taken, time.monotonic())
         self.writer.after_commit(data, key, keys, match)  # walks again only if insert changed it
 
-    def hint(self, tokens: Any, hint: Any, salt: bytes | str | None = None,
+    def hint(self, tokens: Tokens, hint: CacheHint, salt: bytes | str | None = None,
              tenant: str = "") -> HintOutcome:
         """Apply a request's cache hint to the device path of ``tokens`` (after its commit)."""
         data, key = as_token_bytes(tokens), salt_bytes(salt)

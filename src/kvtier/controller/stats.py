@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from kvtier.memory.pinned import PinnedBudget
 
 
-def nest_counters(counters: dict[str, int]) -> dict[str, Any]:
+def nest_counters(counters: dict[str, int]) -> dict[str, object]:
     """``{"prefetch_total.timeout": 2}`` -> ``{"prefetch_total": {"timeout": 2}}``."""
     out: dict[str, Any] = {}
     for name, value in sorted(counters.items()):
@@ -35,7 +35,7 @@ def nest_counters(counters: dict[str, int]) -> dict[str, Any]:
 
 
 def cache_stats(ctx: CacheContext, controller: CacheController,
-                pinned_budget: PinnedBudget | None) -> dict[str, Any]:
+                pinned_budget: PinnedBudget | None) -> dict[str, object]:
     index = ctx.index
     tiers = {}
     for tier in TIERS:

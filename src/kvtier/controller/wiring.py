@@ -104,7 +104,7 @@ def open_stores(config: KvtierConfig, layout: KVLayout) -> dict[str, PageStore]:
     return out
 
 
-def _not_in_query(url: str, options: dict[str, Any]) -> dict[str, Any]:
+def _not_in_query(url: str, options: dict[str, Any]) -> dict[str, object]:
     """Config values as store options, unless the URL's query sets them itself."""
     given = {name for name, _ in parse_qsl(urlsplit(url).query)}
     return {k: v for k, v in options.items() if k not in given}

@@ -181,7 +181,7 @@ class ReadRing:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, object]:
         with self._lock:
             slots_out = 0 if self._host is None else self.slots - len(self._free)
             return {"slots": self.slots, "slot_bytes": self.page_bytes,

@@ -44,7 +44,7 @@ class StoreStats:
     bytes_read: int = 0
     bytes_written: int = 0
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 

@@ -108,7 +108,7 @@ class FileStore(PageStore):
             raise StoreUnavailable(f"cannot load the index of {self.root}: {exc}") from None
 
     @classmethod
-    def from_url(cls, url: str, page_bytes: int, options: dict[str, Any]) -> FileStore:
+    def from_url(cls, url: str, page_bytes: int, options: dict[str, object]) -> FileStore:
         return cls(file_url_path(url), page_bytes, FileStoreOptions.parse(options))
 
     def _load(self) -> float:
@@ -317,7 +317,7 @@ class FileStore(PageStore):
         return StoreStats(backend=self.scheme, pages=pages, bytes=pages * self.page_bytes,
                           capacity_bytes=self.options.max_bytes, **self.counters.snapshot())
 
-    def resize(self, max_bytes: int | None, wait_s: float = 5.0) -> dict[str, Any]:
+    def resize(self, max_bytes: int | None, wait_s: float = 5.0) -> dict[str, object]:
         """Set the cap on segment bytes now; a shrink evicts oldest segments (no reinsertion)
         until the store fits, and returns when it does or ``wait_s`` ran out. Never a victim:
         a segment being appended to (the current ones are sealed, and go once their writes
@@ -352,7 +352,7 @@ class FileStore(PageStore):
         self.evictor.gc(0)
         return removed
 
-    def disk_usage(self) -> dict[str, Any]:
+    def disk_usage(self) -> dict[str, float]:
         """Space on disk: segment bytes (live and dead records), filesystem free bytes."""
         self.refresh()
         with self._lock:

@@ -108,7 +108,7 @@ class ClusterRouter:
         self._client.close()
 
 
-def _client_kwargs(opts: RedisOptions) -> dict[str, Any]:
+def _client_kwargs(opts: RedisOptions) -> dict[str, object]:
     from redis.backoff import NoBackoff
     from redis.connection import Connection
     from redis.retry import Retry

@@ -87,7 +87,7 @@ def per_key(command: bytes, rkeys: Sequence[bytes]) -> Any:
 def server_info(match: bytes | None) -> Any:
     """INFO memory and stats, and the key count: DBSIZE, or SCAN ``match`` (exact, slower)."""
 
-    def work(channel: Channel, reader: ReplyReader) -> dict[str, Any]:
+    def work(channel: Channel, reader: ReplyReader) -> dict[str, object]:
         channel.send([pack(b"INFO", b"memory") + pack(b"INFO", b"stats")])
         info: dict[str, Any] = {}
         for _ in range(2):
@@ -120,7 +120,7 @@ def _count_keys(channel: Channel, reader: ReplyReader, match: bytes | None) -> i
             return count
 
 
-def parse_info(text: Any) -> dict[str, Any]:
+def parse_info(text: Any) -> dict[str, object]:
     """``INFO`` text as {field: int | float | str}."""
     out: dict[str, Any] = {}
     raw = text.decode(errors="replace") if isinstance(text, bytes) else str(text)

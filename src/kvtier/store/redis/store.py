@@ -100,7 +100,7 @@ class RedisStore(PageStore):
         self._judge = PageJudge(page_bytes)
 
     @classmethod
-    def from_url(cls, url: str, page_bytes: int, options: dict[str, Any]) -> RedisStore:
+    def from_url(cls, url: str, page_bytes: int, options: dict[str, object]) -> RedisStore:
         client_url, opts = parse_redis_url(url, dict(options))
         shown = redact_url(url)
         try:
