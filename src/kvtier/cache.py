@@ -45,9 +45,13 @@ if TYPE_CHECKING:
     from kvtier.controller.hints import HintOutcome
     from kvtier.hints import CacheHint
     from kvtier.memory.device_pool import DevicePool
+    from kvtier.memory.host_pool import HostPool
     from kvtier.memory.pinned import PinnedBudget
 
 __all__ = ["Hit", "Loaded", "TieredCache"]
+
+STORE_TIERS = ("disk", "remote")
+
 
 class TieredCache:
     """See the module docstring. Build with ``TieredCache.build``."""
@@ -114,6 +118,18 @@ class TieredCache:
     def device_pool(self) -> DevicePool:
         """The ``DevicePool``: ``.kv`` is ``[layers, parts, pages, page_size, kv_heads, head_dim]``."""
         return self.ctx.device_pool
+
+    @property
+    def host_pool(self) -> HostPool | None:
+        """The host tier's ``HostPool`` (None: host tier off); to read, not to change."""
+        return self.ctx.host_pool
+
+    def store(self, tier: str) -> PageStore | None:
+        """The store serving ``tier`` (``disk`` or ``remote``) now; None while the tier is off.
+        To read (``stats()``), not to change: stores attach and detach through ``kvtier.admin``."""
+        if tier not in STORE_TIERS:
+            raise ValueError(f"store tier must be one of {', '.join(STORE_TIERS)}, got {tier!r}")
+        return self.ctx.stores.get(tier)
 
     @property
     def page_size(self) -> int:
