@@ -8,9 +8,10 @@ controller). The engine's cycle for one prompt::
     loaded = cache.load(hit, recompute_tokens=r)  # KV of [loaded.start_tokens, loaded.tokens)
                                                 # on device pages loaded.device_page_ids, pinned
     new = cache.allocate(n_pages)               # device pages for the KV the engine computes
-    cache.commit(tokens, page_ids, salt)        # every full page, in prefix order: loaded ids
-                                                # where loaded, new ids elsewhere; ownership of
-                                                # every id passes to the cache
+    cache.commit(tokens, page_ids, salt, loaded=loaded)  # every full page, in prefix
+                                                # order: loaded ids where loaded, new ids
+                                                # elsewhere; ownership of every id passes to
+                                                # the cache (``loaded``: reuse the walk)
     cache.release(loaded)                       # unpin
     cache.poll()                                # now and then: reap copies and IO completions
 
@@ -197,10 +198,12 @@ class TieredCache:
         self.controller.free(device_page_ids)
 
     def commit(self, tokens: Tokens, device_page_ids: Sequence[int],
-               salt: bytes | str | None = None) -> None:
+               salt: bytes | str | None = None, *, loaded: Loaded | None = None) -> None:
         """Index every full page of ``tokens`` (``device_page_ids[i]`` holds page i) and apply
-        the write policy. The cache owns every id passed from now on."""
-        self.controller.commit(tokens, device_page_ids, salt)
+        the write policy. The cache owns every id passed from now on. ``loaded`` (what
+        ``load`` returned for this request, released or not) lets the commit continue the
+        request's walk of the index instead of walking it again."""
+        self.controller.commit(tokens, device_page_ids, salt, loaded)
 
     def hint(self, tokens: Tokens, hint: CacheHint, salt: bytes | str | None = None,
              tenant: str = "") -> HintOutcome:

@@ -58,7 +58,8 @@ class CacheController:
         ctx = self.ctx
         if hit.reach("remote") <= hit.reach("host") or ctx.workers is None:
             return
-        match = ctx.index.match(hit._data, hit.salt)
+        match = (ctx.index.match(hit._data, hit.salt) if hit._match is None
+                 else ctx.index.current(hit._match))
         head = max(recompute_tokens, 0) // ctx.page_size
         lo = max(match.depth_of("device"), match.depth_of("host"), head)
         hi = min(hit.pages, max(hit._store_ends))
@@ -89,14 +90,16 @@ class CacheController:
         self.ctx.index.free("device", ids)
 
     def commit(self, tokens: Tokens, device_page_ids: Sequence[int],
-               salt: bytes | str | None = None) -> None:
+               salt: bytes | str | None = None, loaded: Loaded | None = None) -> None:
         """Insert every full page of ``tokens`` on device; ownership of every id passed moves
-        to the cache (ids of pages it already holds are freed), then the write policy runs."""
+        to the cache (ids of pages it already holds are freed), then the write policy runs.
+        ``loaded`` (the request's load): continue its walk of the tree instead of walking."""
         ctx = self.ctx
         data, key = as_token_bytes(tokens), salt_bytes(salt)
         full = len(data) // ctx.step
         ids = [int(i) for i in device_page_ids]
-        match = ctx.index.match(data, key)
+        walked = loaded._match if loaded is not None else None
+        match = ctx.index.match(data, key) if walked is None else ctx.index.extend(walked, data, key)
         self._check_ownership(ids, full, match.ids("device", 0, min(match.depth_of("device"),
                                                                        full)))
         for page_id in ids:
@@ -105,13 +108,13 @@ class CacheController:
             if owner is not None:
                 owner._private.discard(page_id)
         keys = ctx.keys(match, full)
-        result = ctx.index.insert(data, keys, tier="device", ids=ids[:full], salt=key)
+        result = ctx.index.insert(data, keys, tier="device", ids=ids[:full], salt=key, after=match)
         held = set(match.ids("device", 0, min(match.depth_of("device"), full)))
         ctx.index.free("device", result.unused_ids + [i for i in ids[full:] if i not in held])
         ctx.count("commit_total")
         ctx.count("commit_new_pages_total", result.taken)
         self.hints.observe(result.taken, time.monotonic())
-        self.writer.after_commit(data, key, keys, match)  # walks again only if insert changed it
+        self.writer.after_commit(data, key, keys, result.match)
 
     def hint(self, tokens: Tokens, hint: CacheHint, salt: bytes | str | None = None,
              tenant: str = "") -> HintOutcome:

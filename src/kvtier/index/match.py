@@ -106,3 +106,4 @@ class InsertResult:
     taken: int
     unused_ids: list[int]
     stopped_at: int   # first page not covered (== stop unless a lenient insert stopped early)
+    match: IndexMatch | None = None   # the walk of the tokens after the insert (given ``after``)
