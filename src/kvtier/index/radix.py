@@ -34,7 +34,7 @@ from kvtier.index.integrity import check_index
 from kvtier.index.match import IndexMatch, InsertResult
 from kvtier.index.residency import Allocator, Node, TierLedger, TierSizes, tier_index
 from kvtier.index.tree import EvictHook, ResidencyObserver, Tree
-from kvtier.index.walk import Path, depths, descend
+from kvtier.index.walk import Depths, Path, descend
 from kvtier.keys import Tokens, token_bytes
 
 __all__ = ["EvictHook", "RadixIndex", "ResidencyObserver", "as_token_bytes", "salt_bytes"]
@@ -70,12 +70,15 @@ class RadixIndex(Tree):
         from the salt's root)."""
         data = as_token_bytes(tokens)
         key = salt_bytes(salt)
-        path: Path = []
-        return self._walked(key, data, descend(self._roots.get(key), data, 0, path, self._step),
-                            path)
+        return self._walk_on(key, data, self._roots.get(key), 0, [])
 
-    def _walked(self, key: bytes, data: bytes, pages: int, path: Path) -> IndexMatch:
-        return IndexMatch(key, self.page_size, data, pages, depths(path, pages), tuple(path),
+    def _walk_on(self, key: bytes, data: bytes, node: Node | None, pos: int,
+                 path: Path) -> IndexMatch:
+        """The match of ``data`` walked on down from ``node`` (ending at page ``pos``, reached
+        along ``path``, which grows to the end of the walk)."""
+        depths = Depths().over(path)
+        pages = descend(node, data, pos, path, self._step, depths)
+        return IndexMatch(key, self.page_size, data, pages, depths.at(pages), tuple(path),
                           self.version)
 
     def touch(self, match: IndexMatch) -> None:
@@ -121,8 +124,7 @@ class RadixIndex(Tree):
                 del self._roots[root.salt]
         walked = None
         if after is not None:
-            walked = self._walked(key, data, descend(walk.at, data, walk.pos, walk.path, self._step),
-                                  walk.path)
+            walked = self._walk_on(key, data, walk.at, walk.pos, walk.path)
         return InsertResult(node, walk.taken, walk.unused, walk.pos, walked)
 
     def current(self, match: IndexMatch) -> IndexMatch:
@@ -154,7 +156,7 @@ class RadixIndex(Tree):
                 break
             path.append((child, used))
             node, pos = child, pos + used
-        return self._walked(key, data, descend(node, data, pos, path, self._step), path)
+        return self._walk_on(key, data, node, pos, path)
 
     def boundary(self, tokens: Tokens, pages: int, salt: bytes | str | None = None) -> Node | None:
         """The node ending exactly after prefix page ``pages`` (splitting one if needed)."""
