@@ -81,7 +81,7 @@ class KeyNamespace:
 
     def canonical(self) -> bytes:
         """Length-prefixed fields, so no two different namespaces encode the same bytes."""
-        fields: tuple[Any, ...] = (
+        fields: tuple[object, ...] = (
             self.model, self.model_fingerprint, self.kv_dtype, self.layout,
             str(self.page_size), str(self.format_version),
         )

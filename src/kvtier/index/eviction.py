@@ -21,7 +21,6 @@ import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
 
 from kvtier.keys import KEY_BYTES
 
@@ -283,7 +282,7 @@ EVICTION_POLICIES: dict[str, str] = {
 }
 
 
-def make_eviction_policy(name: str, **options: Any) -> EvictionPolicy:
+def make_eviction_policy(name: str, **options: object) -> EvictionPolicy:
     """A new policy instance by registered name (one instance per tier)."""
     if name not in EVICTION_POLICIES:
         from kvtier.errors import ConfigError

@@ -34,7 +34,6 @@ import time
 from collections.abc import Callable, Sequence
 from itertools import compress
 from pathlib import Path
-from typing import Any
 
 from kvtier.errors import ConfigError, StoreUnavailable
 from kvtier.keys import KEY_BYTES
@@ -53,7 +52,7 @@ from kvtier.store.file.journal import OP_DELETE, OP_PUT, OP_SEGMENT, Entry, Jour
 from kvtier.store.file.options import FileStoreOptions, file_url_path
 from kvtier.store.file.record_io import RecordIO, plans_of, slot_runs
 from kvtier.store.file.segment import list_segments, load_or_create_manifest
-from kvtier.store.file.segment_files import SegmentReaders, SegmentWriter
+from kvtier.store.file.segment_files import SegmentReaders, SegmentWriter, Slot
 from kvtier.store.file.site import SegmentSite
 from kvtier.store.record import Verdict
 
@@ -276,7 +275,7 @@ class FileStore(PageStore):
         self.counters.add(refused=len(keys) - ok, errors=errors, bytes_written=ok * self.page_bytes)
         return results
 
-    def _publish_puts(self, keys: list[bytes], slots: list[Any], done: list[int],
+    def _publish_puts(self, keys: list[bytes], slots: list[Slot], done: list[int],
                       results: list[bool]) -> int:
         try:
             if self.options.fsync:
