@@ -22,7 +22,7 @@ import logging
 import threading
 from binascii import hexlify
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from kvtier.config import redact_url
@@ -31,12 +31,14 @@ from kvtier.keys import KEY_BYTES
 from kvtier.store.base import Buffer, PageStore, StoreCounters, StoreStats, readable_view, writable_view
 from kvtier.store.record import HEADER_BYTES
 from kvtier.store.redis.channel import Deadline
-from kvtier.store.redis.endpoint import MOVED_KINDS, Endpoint, EndpointDown
+from kvtier.store.redis.endpoint import MOVED_KINDS, Endpoint, EndpointDown, Work
 from kvtier.store.redis.nodes import open_router
-from kvtier.store.redis.ops import get_pages, glob_escape, per_key, server_info, set_pages
+from kvtier.store.redis.ops import Info, get_pages, glob_escape, per_key, server_info, set_pages
 from kvtier.store.redis.options import RedisOptions, parse_redis_url
 from kvtier.store.redis.verify import PageJudge, Verdicts
 from kvtier.store.redis.wire import ServerError
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +153,7 @@ class RedisStore(PageStore):
         log.warning("%s unreachable at open (%s); pages miss until it answers", where, exc)
 
     @staticmethod
-    def _warn_about_eviction_setup(name: str, info: dict[str, Any]) -> None:
+    def _warn_about_eviction_setup(name: str, info: Info) -> None:
         policy = info.get("maxmemory_policy", "")
         if not info.get("maxmemory"):
             log.warning("redis %s has no maxmemory: set maxmemory and maxmemory-policy "
@@ -167,7 +169,7 @@ class RedisStore(PageStore):
         prefix = self._prefix
         return [prefix + hexlify(key) for key in keys]
 
-    def _run(self, endpoint: Endpoint | None, work: Any, deadline: Deadline) -> Any:
+    def _run(self, endpoint: Endpoint | None, work: Work[T], deadline: Deadline) -> T | None:
         """The work's replies, or None when the server failed (an outage, counted by callers)."""
         if endpoint is None:
             return None
