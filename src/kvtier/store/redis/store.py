@@ -32,7 +32,7 @@ from kvtier.store.base import Buffer, PageStore, StoreCounters, StoreStats, read
 from kvtier.store.record import HEADER_BYTES
 from kvtier.store.redis.channel import Deadline
 from kvtier.store.redis.endpoint import MOVED_KINDS, Endpoint, EndpointDown, Work
-from kvtier.store.redis.nodes import open_router
+from kvtier.store.redis.nodes import ClusterRouter, StandaloneRouter, open_router
 from kvtier.store.redis.ops import Info, get_pages, glob_escape, per_key, server_info, set_pages
 from kvtier.store.redis.options import RedisOptions, parse_redis_url
 from kvtier.store.redis.verify import PageJudge, Verdicts
@@ -88,7 +88,8 @@ class EvictionTally:
 class RedisStore(PageStore):
     scheme = "redis"
 
-    def __init__(self, page_bytes: int, router: Any, options: RedisOptions, *,
+    def __init__(self, page_bytes: int, router: StandaloneRouter | ClusterRouter,
+                 options: RedisOptions, *,
                  display_url: str = "redis://", scheme: str = "redis") -> None:
         super().__init__(page_bytes)
         self.scheme = scheme
