@@ -47,17 +47,15 @@ $(VENV_VLLM)/.installed: scripts/setup_vllm_env.sh pyproject.toml
 run: install
 	$(BIN)/kvtier serve --disk file://$(CURDIR)/data/disk
 
-# Type checks: strict on the core's lower layers, the facade and the admin layer, plain on the
-# index.
+# Type checks: strict on the core (its lower layers, the controller, the facade and the admin
+# layer).
 MYPY_STRICT := src/kvtier/keys.py src/kvtier/config.py src/kvtier/layout.py src/kvtier/errors.py \
-	src/kvtier/memory src/kvtier/transfer src/kvtier/controller src/kvtier/cache.py \
-	src/kvtier/admin
-MYPY_PLAIN := src/kvtier/index
+	src/kvtier/memory src/kvtier/index src/kvtier/store src/kvtier/transfer src/kvtier/controller \
+	src/kvtier/cache.py src/kvtier/admin
 
 lint: install-test
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/mypy --strict $(MYPY_STRICT)
-	$(BIN)/mypy $(MYPY_PLAIN)
 
 unit: install-test
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q

@@ -86,7 +86,7 @@ def serve(cache: TieredCache, tokens: list[int], salt: Any = None, *,
         for page, page_id in zip(missing, fresh, strict=True):
             held[page] = page_id
             write_kv(cache, tokens, [page_id], page)
-        cache.commit(tokens, [held[p] for p in range(full)], salt)
+        cache.commit(tokens, [held[p] for p in range(full)], salt, loaded=loaded)
     finally:
         cache.release(loaded)
     return hit, loaded

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvtier.errors import PoolExhausted
+from kvtier.index.match import IndexMatch
 from kvtier.index.radix import RadixIndex
 from kvtier.index.residency import TIERS
 
@@ -22,6 +23,10 @@ Prefix = tuple[int, ...]
 
 pages_st = st.lists(st.integers(0, 2), min_size=1, max_size=4).map(tuple)
 tier_st = st.sampled_from(("device", "host", "disk", "remote"))
+
+
+def _walk_of(m: IndexMatch) -> tuple:
+    return m.pages, m.depth, m.version, [(id(node), used) for node, used in m.path]
 
 
 def tokens_of(pages: Prefix) -> list[int]:
@@ -63,9 +68,14 @@ class IndexModel(RuleBasedStateMachine):
     # ---- rules ---------------------------------------------------------------------------
     @rule(pages=pages_st, tier=tier_st, salt=st.sampled_from(SALTS), data=st.data())
     def insert(self, pages: Prefix, tier: str, salt: str, data: st.DataObject) -> None:
-        self._insert(pages, tier, salt, data.draw(st.integers(0, len(pages))))
+        walk = data.draw(st.none() | st.integers(0, len(pages)))
+        self._insert(pages, tier, salt, data.draw(st.integers(0, len(pages))), walk)
 
-    def _insert(self, pages: Prefix, tier: str, salt: str, start: int) -> None:
+    def _insert(self, pages: Prefix, tier: str, salt: str, start: int,
+                walk: int | None = None) -> None:
+        """``walk``: insert after a walk of the first ``walk`` pages, made before the ids are
+        allocated (so an eviction may have made it stale)."""
+        before = None if walk is None else self.index.match(tokens_of(pages[:walk]), salt)
         fits = start <= self.known(salt, pages) and (
             start == 0 or self.held(salt, tier, pages) >= start)
         has_ids = tier in CAPACITY
@@ -82,7 +92,10 @@ class IndexModel(RuleBasedStateMachine):
         else:
             ids = None
         result = self.index.insert(tokens_of(pages), tier=tier, ids=ids, start=start, salt=salt,
-                                   strict=False)
+                                   strict=False, after=before)
+        if before is not None:  # the walk it hands back is the one a fresh match makes
+            assert result.match is not None
+            assert _walk_of(result.match) == _walk_of(self.index.match(tokens_of(pages), salt))
         table = self.model[(salt, tier)]
         expect_unused = []
         if fits:
@@ -108,7 +121,8 @@ class IndexModel(RuleBasedStateMachine):
         salt, prefix = data.draw(st.sampled_from(known))
         pages = prefix + tail
         if len(pages) <= 6:
-            self._insert(pages, tier, salt, data.draw(st.integers(0, len(pages))))
+            walk = data.draw(st.none() | st.integers(0, len(pages)))
+            self._insert(pages, tier, salt, data.draw(st.integers(0, len(pages))), walk)
 
     @rule(pages=pages_st, salt=st.sampled_from(SALTS))
     def match(self, pages: Prefix, salt: str) -> None:

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+from cache_support import LAYOUT, make_cache
+from kvtier.config import StoreConfig
 from kvtier.engine.request import PrefillReport
-from kvtier.serve.logs import changed, pages_by_tier, request_line, stats_line
+from kvtier.serve.logs import changed, pages_by_tier, request_line, stats_line, tiers_summary
+from kvtier.store.memory import MemoryStore
 
 
 def _snap(prompt: int, completion: int, cached: dict, running: int = 0, queued: int = 0,
@@ -44,3 +49,16 @@ def test_pages_by_tier_reads_pools_from_the_index_and_stores_as_counted():
     stats = {"tiers": {"device": {"pages": 3}, "host": {"pages": 5}, "disk": {"pages": 1}},
              "stores": {"disk": {"pages": 700}}}
     assert pages_by_tier(stats) == {"device": 3, "host": 5, "disk": 700}
+
+
+def test_tiers_summary_names_each_tier_from_the_facade_with_its_size_and_pages() -> None:
+    disk = MemoryStore(LAYOUT.page_bytes)
+    disk.write([bytes(32)], [bytes(LAYOUT.page_bytes)])
+    with make_cache(device_pages=8, host_pages=16, stores={"disk": disk}) as cache:
+        service = SimpleNamespace(prefix_cache=SimpleNamespace(tiered=cache),
+                                  config=SimpleNamespace(store=StoreConfig(disk_url="memory://d")),
+                                  lm=SimpleNamespace(device="cpu"))
+        line = tiers_summary(service)
+    assert line.startswith("tiers: device 8 pages (") and ", cpu)" in line
+    assert "; host 16 pages (" in line and "disk memory://d: 1 pages found" in line
+    assert line.endswith("remote off")

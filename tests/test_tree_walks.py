@@ -1,5 +1,5 @@
 """Walks of the radix tree per request, counted by an instrumented index, and the walk reuse
-that keeps them few (``RadixIndex.current`` / ``cut``)."""
+that keeps them to one (``RadixIndex.current``, ``cut``, ``extend``, ``insert(after=...)``)."""
 
 from __future__ import annotations
 
@@ -7,18 +7,22 @@ from typing import Any
 
 import pytest
 
-from cache_support import P, assert_kv, make_cache, prompt, serve
+from cache_support import LAYOUT, P, assert_kv, make_cache, prompt, serve
 from kvtier.index.radix import RadixIndex
+from kvtier.store.memory import MemoryStore
 
-#: Walks a request may make (match + load + commit + release). A match walks once; a load
-#: reuses that walk while the index is unchanged, and walks again once after it inserts the
-#: loaded pages; a commit walks, inserts, and walks again only when the insert changed the tree.
-BOUNDS = {"miss": 5, "device_hit": 3, "host_hit": 5}
-LOAD_BOUNDS = {"device_hit": 0, "host_hit": 2}
+#: Walks a request makes (match + load + commit + release, the commit given the ``Loaded``):
+#: the match walks once; the load follows that walk (its inserts of landed and loaded pages go
+#: along it and hand back the walk as they left it); the commit continues the load's walk, and
+#: the write policy's host copy and its completion follow the commit's.
+WALKS = {"miss": 1, "device_hit": 1, "host_hit": 1, "disk_hit": 1}
+LOAD_WALKS = {"device_hit": 0, "host_hit": 0}
 
 
 class Walks:
-    """Counts ``match`` and ``insert`` calls (each walks from a root) on one index."""
+    """Counts walks from a root on one index: every ``match`` call (``current``, ``boundary``
+    and ``extend`` walk through it when they must), and every ``insert`` not given a walk to
+    follow (``after``); an insert given one never starts from a root."""
 
     def __init__(self, index: RadixIndex) -> None:
         self.n = 0
@@ -27,7 +31,7 @@ class Walks:
 
     def _counting(self, inner: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
-            self.n += 1
+            self.n += kwargs.get("after") is None
             return inner(*args, **kwargs)
         return call
 
@@ -37,15 +41,48 @@ class Walks:
         return self.n - before
 
 
-def test_a_request_walks_the_tree_no_more_than_the_design_allows() -> None:
-    with make_cache() as cache:
+def test_a_request_walks_the_tree_once() -> None:
+    with make_cache(stores={"disk": MemoryStore(LAYOUT.page_bytes)}) as cache:
         walks, tokens = Walks(cache.ctx.index), prompt(6, seed=1)
         counts = {"miss": walks.during(lambda: serve(cache, tokens))}
         assert cache.drain()
         counts["device_hit"] = walks.during(lambda: serve(cache, tokens))
         cache.ctx.index.clear("device")
         counts["host_hit"] = walks.during(lambda: serve(cache, tokens))
-        assert counts == {k: min(v, BOUNDS[k]) for k, v in counts.items()}, counts
+        cache.ctx.index.clear_tiers(("device", "host"))
+        hit, loaded = serve(cache, tokens)  # served from the disk tier, and counted:
+        assert hit.tokens_by_tier["disk"] == 6 * P and loaded.tokens == 6 * P
+        cache.ctx.index.clear_tiers(("device", "host"))
+        counts["disk_hit"] = walks.during(lambda: serve(cache, tokens))
+        assert counts == WALKS, counts
+        cache.check_integrity()
+
+
+def test_a_commit_without_its_load_walks_once_more_and_indexes_the_same() -> None:
+    with make_cache() as cache:
+        tokens = prompt(6, seed=5)
+        serve(cache, tokens[:3 * P])
+        walks = Walks(cache.ctx.index)
+        hit = cache.match(tokens)
+        loaded = cache.load(hit)
+        ids = loaded.device_page_ids + cache.allocate(3)
+        cache.commit(tokens, ids)
+        cache.release(loaded)
+        assert walks.n == 2 and cache.device_prefix(tokens) == ids
+        cache.check_integrity()
+
+
+def test_a_commit_given_the_load_of_another_prompt_walks_its_own_tokens() -> None:
+    with make_cache() as cache:
+        first, second = prompt(4, seed=6), prompt(4, seed=7)
+        serve(cache, first)
+        other = cache.load(cache.match(first))
+        ids = cache.allocate(4)
+        walks = Walks(cache.ctx.index)
+        cache.commit(second, ids, loaded=other)
+        cache.release(other)
+        assert walks.n == 1 and cache.device_prefix(second) == ids
+        assert len(cache.device_prefix(first)) == 4
         cache.check_integrity()
 
 
@@ -63,7 +100,7 @@ def test_a_load_reuses_the_walk_of_its_match(case: str) -> None:
         assert hit.loaded.tokens == 6 * P  # type: ignore[attr-defined]
         assert_kv(cache, tokens, hit.loaded.device_page_ids)  # type: ignore[attr-defined]
         cache.release(hit.loaded)  # type: ignore[attr-defined]
-        assert loaded <= LOAD_BOUNDS[case]
+        assert loaded == LOAD_WALKS[case]
 
 
 def test_a_hit_whose_tree_changed_before_its_load_walks_again_and_loads_right() -> None:
@@ -108,3 +145,27 @@ def test_current_walks_again_after_any_change_and_not_before() -> None:
     index.insert(_tokens(1, 2, 3, 4), tier="host", ids=[0, 1, 2, 3], strict=False)
     again = index.current(match)
     assert again is not match and again.depth_of("host") == 3
+
+
+def test_extend_continues_a_walk_over_longer_tokens_as_a_fresh_walk_sees_them() -> None:
+    index = RadixIndex(2, capacities={"host": 16})
+    index.insert(_tokens(1, 2, 3, 4), tier="host", ids=[0, 1, 2, 3])
+    prompt_walk = index.match(_tokens(1, 2))           # ends inside the run of 4 pages
+    walks = Walks(index)
+    for longer in (_tokens(1, 2, 3, 4), _tokens(1, 2, 3), _tokens(1, 2, 7), _tokens(1)):
+        got, fresh = index.extend(prompt_walk, longer), RadixIndex.match(index, longer)
+        assert (got.pages, got.depth, got.path) == (fresh.pages, fresh.depth, fresh.path)
+    assert walks.n == 0
+
+
+def test_extend_walks_from_the_root_for_other_tokens_another_salt_or_a_stale_walk() -> None:
+    index = RadixIndex(2, capacities={"host": 16})
+    index.insert(_tokens(1, 2, 3), tier="host", ids=[0, 1, 2])
+    walk = index.match(_tokens(1, 2))
+    walks = Walks(index)
+    assert walks.during(lambda: index.extend(walk, _tokens(5, 2, 3))) == 1
+    assert walks.during(lambda: index.extend(walk, _tokens(1, 2, 3), salt="other")) == 1
+    index.insert(_tokens(1, 2, 3, 4), tier="host", ids=[0, 1, 2, 3], strict=False)
+    again: list[Any] = []
+    assert walks.during(lambda: again.append(index.extend(walk, _tokens(1, 2, 3, 4)))) == 1
+    assert again[0].depth_of("host") == 4 and again[0].version == index.version

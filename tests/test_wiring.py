@@ -99,14 +99,36 @@ def test_a_host_rebuild_without_a_pinned_budget_is_refused_and_changes_nothing()
         admin.table.assert_coherent()
 
 
-def test_the_engine_and_plugins_use_the_facade_not_its_parts() -> None:
-    """``TieredCache``'s ``ctx`` and ``controller`` are its internals: the reference engine and
-    the plug-ins built on the facade reach the cache through its public methods only."""
+def test_the_facade_reads_its_host_pool_and_stores_and_refuses_an_unknown_store_tier() -> None:
+    store = MemoryStore(LAYOUT.page_bytes)
+    with make_cache(host_pages=16, stores={"disk": store}) as cache:
+        assert cache.host_pool is not None and cache.host_pool.num_pages == 16
+        assert cache.store("disk") is store and cache.store("remote") is None
+        with pytest.raises(ValueError, match="disk, remote"):
+            cache.store("host")
+    with make_cache(host_pages=0) as cache:
+        assert cache.host_pool is None and cache.store("disk") is None
+
+
+def _reaches_inside(node: ast.AST, package: str) -> bool:
+    """``<x>.tiered.ctx`` / ``<x>.cache.controller`` and the like; in ``serve/`` any ``.ctx``
+    (the admin layer's context is the cache's too)."""
+    if not isinstance(node, ast.Attribute):
+        return False
+    if package == "serve" and node.attr == "ctx":
+        return True
+    return (node.attr in ("ctx", "controller") and isinstance(node.value, ast.Attribute)
+            and node.value.attr in ("tiered", "cache"))
+
+
+def test_the_engine_plugins_and_server_use_the_facade_not_its_parts() -> None:
+    """``TieredCache``'s ``ctx`` and ``controller`` are its internals: the reference engine,
+    the plug-ins built on the facade and the server reach the cache through its public methods
+    only."""
     reaching = []
-    for package in ("engine", "integrations"):
+    for package in ("engine", "integrations", "serve"):
         for path in sorted((SRC / package).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text())):
-                if (isinstance(node, ast.Attribute) and node.attr in ("ctx", "controller")
-                        and isinstance(node.value, ast.Attribute) and node.value.attr == "tiered"):
-                    reaching.append(f"{path.relative_to(SRC)}:{node.lineno} tiered.{node.attr}")
+                if _reaches_inside(node, package):
+                    reaching.append(f"{path.relative_to(SRC)}:{node.lineno} .{node.attr}")
     assert not reaching, reaching

@@ -8,9 +8,10 @@ controller). The engine's cycle for one prompt::
     loaded = cache.load(hit, recompute_tokens=r)  # KV of [loaded.start_tokens, loaded.tokens)
                                                 # on device pages loaded.device_page_ids, pinned
     new = cache.allocate(n_pages)               # device pages for the KV the engine computes
-    cache.commit(tokens, page_ids, salt)        # every full page, in prefix order: loaded ids
-                                                # where loaded, new ids elsewhere; ownership of
-                                                # every id passes to the cache
+    cache.commit(tokens, page_ids, salt, loaded=loaded)  # every full page, in prefix
+                                                # order: loaded ids where loaded, new ids
+                                                # elsewhere; ownership of every id passes to
+                                                # the cache (``loaded``: reuse the walk)
     cache.release(loaded)                       # unpin
     cache.poll()                                # now and then: reap copies and IO completions
 
@@ -26,7 +27,7 @@ Engine thread only (one thread calls every method); IO runs on worker threads in
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvtier.config import KvtierConfig, setting_name
 from kvtier.controller.context import CacheContext
@@ -37,15 +38,21 @@ from kvtier.controller.split import RateBook
 from kvtier.controller.wiring import bind_host_pool, open_stores
 from kvtier.errors import ConfigError
 from kvtier.index.radix import RadixIndex
-from kvtier.keys import KeyNamespace
+from kvtier.keys import KeyNamespace, Tokens
 from kvtier.layout import KVLayout
 from kvtier.store.base import PageStore
 
 if TYPE_CHECKING:
+    from kvtier.controller.hints import HintOutcome
+    from kvtier.hints import CacheHint
     from kvtier.memory.device_pool import DevicePool
+    from kvtier.memory.host_pool import HostPool
     from kvtier.memory.pinned import PinnedBudget
 
 __all__ = ["Hit", "Loaded", "TieredCache"]
+
+STORE_TIERS = ("disk", "remote")
+
 
 class TieredCache:
     """See the module docstring. Build with ``TieredCache.build``."""
@@ -114,10 +121,22 @@ class TieredCache:
         return self.ctx.device_pool
 
     @property
+    def host_pool(self) -> HostPool | None:
+        """The host tier's ``HostPool`` (None: host tier off); to read, not to change."""
+        return self.ctx.host_pool
+
+    def store(self, tier: str) -> PageStore | None:
+        """The store serving ``tier`` (``disk`` or ``remote``) now; None while the tier is off.
+        To read (``stats()``), not to change: stores attach and detach through ``kvtier.admin``."""
+        if tier not in STORE_TIERS:
+            raise ValueError(f"store tier must be one of {', '.join(STORE_TIERS)}, got {tier!r}")
+        return self.ctx.stores.get(tier)
+
+    @property
     def page_size(self) -> int:
         return self.ctx.page_size
 
-    def match(self, tokens: Any, salt: bytes | str | None = None) -> Hit:
+    def match(self, tokens: Tokens, salt: bytes | str | None = None) -> Hit:
         """The prompt's cached prefix on every tier (agreed across ranks). Changes nothing; the
         hit carries this walk of the index, which ``load`` reuses while the index is unchanged."""
         return self.controller.lookup.match(tokens, salt)
@@ -155,7 +174,7 @@ class TieredCache:
         """(hit tokens, predicted seconds) of the split ``plan_split`` chose last, if any."""
         return self.controller.rates.pending_split
 
-    def device_prefix(self, tokens: Any, salt: bytes | str | None = None) -> list[int]:
+    def device_prefix(self, tokens: Tokens, salt: bytes | str | None = None) -> list[int]:
         """Device page ids of the longest prefix of ``tokens`` the device tier holds now."""
         match = self.ctx.index.match(tokens, salt)
         return match.ids("device", 0, match.depth_of("device"))
@@ -178,14 +197,16 @@ class TieredCache:
         """Give back allocated pages that will not be committed (an aborted request)."""
         self.controller.free(device_page_ids)
 
-    def commit(self, tokens: Any, device_page_ids: Sequence[int],
-               salt: bytes | str | None = None) -> None:
+    def commit(self, tokens: Tokens, device_page_ids: Sequence[int],
+               salt: bytes | str | None = None, *, loaded: Loaded | None = None) -> None:
         """Index every full page of ``tokens`` (``device_page_ids[i]`` holds page i) and apply
-        the write policy. The cache owns every id passed from now on."""
-        self.controller.commit(tokens, device_page_ids, salt)
+        the write policy. The cache owns every id passed from now on. ``loaded`` (what
+        ``load`` returned for this request, released or not) lets the commit continue the
+        request's walk of the index instead of walking it again."""
+        self.controller.commit(tokens, device_page_ids, salt, loaded)
 
-    def hint(self, tokens: Any, hint: Any, salt: bytes | str | None = None,
-             tenant: str = "") -> Any:
+    def hint(self, tokens: Tokens, hint: CacheHint, salt: bytes | str | None = None,
+             tenant: str = "") -> HintOutcome:
         """Honour a request's cache hint (``kvtier.hints.CacheHint``) on its committed prefix:
         a bounded head start in eviction, never a pin; returns the ``HintOutcome``."""
         return self.controller.hint(tokens, hint, salt, tenant)
@@ -210,7 +231,7 @@ class TieredCache:
         """Raise ``AssertionError`` if the index, the pools and the ledgers disagree."""
         self.controller.check_integrity()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, object]:
         from kvtier.controller.stats import cache_stats
 
         return cache_stats(self.ctx, self.controller, self.pinned_budget)

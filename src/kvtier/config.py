@@ -16,7 +16,7 @@ import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, SupportsFloat, SupportsIndex
 
 from kvtier.errors import ConfigError
 
@@ -228,7 +228,7 @@ def _section_type(name: str) -> type:
     return type(getattr(KvtierConfig(), name))
 
 
-def _coerce(path: str, f: dataclasses.Field[Any], raw: Any) -> Any:
+def _coerce(path: str, f: dataclasses.Field[Any], raw: object) -> Any:
     """Convert ``raw`` (text from env/flags, or a YAML scalar) to the field's type and check it."""
     meta = f.metadata
     kind: type[object] = type(f.default)
@@ -258,6 +258,8 @@ def _coerce(path: str, f: dataclasses.Field[Any], raw: Any) -> Any:
                 raise ConfigError(path, raw, "an integer") from None
     elif kind is float:
         try:
+            if not isinstance(raw, (str, bytes, SupportsFloat, SupportsIndex)):
+                raise TypeError(type(raw).__name__)
             value = float(raw)
         except (TypeError, ValueError):
             raise ConfigError(path, raw, "a number") from None
@@ -284,7 +286,7 @@ def _check_bounds(path: str, meta: Mapping[str, Any], value: Any) -> None:
         raise ConfigError(path, value, f"a value <= {hi}")
 
 
-def _read_yaml(path: str | Path) -> dict[str, Any]:
+def _read_yaml(path: str | Path) -> dict[str, object]:
     import yaml  # lazy: only needed when a file is given
 
     try:
@@ -299,7 +301,7 @@ def _read_yaml(path: str | Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError("config file", str(path), "a mapping of sections to fields")
-    flat: dict[str, Any] = {}
+    flat: dict[str, object] = {}
     for section, body in data.items():
         if section not in SECTIONS:
             raise ConfigError(str(section), "(section)", "one of " + ", ".join(SECTIONS))
@@ -310,8 +312,8 @@ def _read_yaml(path: str | Path) -> dict[str, Any]:
     return flat
 
 
-def _read_env(env: Mapping[str, str]) -> dict[str, Any]:
-    flat: dict[str, Any] = {}
+def _read_env(env: Mapping[str, str]) -> dict[str, object]:
+    flat: dict[str, object] = {}
     for key, value in env.items():
         if not key.startswith(ENV_PREFIX) or "__" not in key:
             continue
@@ -321,10 +323,10 @@ def _read_env(env: Mapping[str, str]) -> dict[str, Any]:
 
 
 def build_config(file: str | Path | None = None, env: Mapping[str, str] | None = None,
-                 flags: Mapping[str, Any] | None = None) -> KvtierConfig:
+                 flags: Mapping[str, object] | None = None) -> KvtierConfig:
     """Defaults < YAML file < ``KVTIER_SECTION__FIELD`` env < flags ({'section.field': value})."""
     known = dict(iter_fields())
-    layers: list[tuple[str, dict[str, Any]]] = []
+    layers: list[tuple[str, dict[str, object]]] = []
     if file:
         layers.append(("file", _read_yaml(file)))
     layers.append(("env", _read_env(os.environ if env is None else env)))
@@ -377,9 +379,9 @@ def redact_url(url: str) -> str:
     return re.sub(r"(//[^:/@]*:)[^@]*@", r"\1***@", url)
 
 
-def to_dict(config: KvtierConfig, *, redact: bool = True) -> dict[str, dict[str, Any]]:
+def to_dict(config: KvtierConfig, *, redact: bool = True) -> dict[str, dict[str, object]]:
     """The config as nested plain data; secrets are redacted unless ``redact`` is False."""
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, dict[str, object]] = {}
     for path, f in iter_fields():
         section, name = path.split(".", 1)
         value = getattr(getattr(config, section), name)

@@ -23,7 +23,7 @@ import hashlib
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeAlias
 
 from kvtier.errors import ConfigError
 
@@ -81,7 +81,7 @@ class KeyNamespace:
 
     def canonical(self) -> bytes:
         """Length-prefixed fields, so no two different namespaces encode the same bytes."""
-        fields: tuple[Any, ...] = (
+        fields: tuple[object, ...] = (
             self.model, self.model_fingerprint, self.kv_dtype, self.layout,
             str(self.page_size), str(self.format_version),
         )
@@ -105,20 +105,33 @@ class KeyNamespace:
         return self.seed().hex()[:16]
 
 
-def token_bytes(tokens: Any) -> bytes:
+class TokenArray(Protocol):
+    """A numpy or torch integer array of token ids, by its shape (this layer imports neither)."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+
+#: Token ids as the cache takes them: a sequence of ints (list, tuple, ``array``) or a numpy or
+#: torch integer array (``kvtier.index.radix.as_token_bytes`` also takes their uint32 bytes).
+Tokens: TypeAlias = "Sequence[int] | TokenArray"
+
+
+def token_bytes(tokens: Tokens) -> bytes:
     """Tokens as little-endian uint32 bytes. Accepts a list, tuple, array or numpy/torch array."""
-    if hasattr(tokens, "numpy"):  # torch tensor
-        tokens = tokens.detach().cpu().numpy()
-    if hasattr(tokens, "astype"):  # numpy array
-        return bytes(tokens.astype("<u4", copy=False).tobytes())
-    packed = array.array("I", tokens)
+    duck: Any = tokens  # numpy and torch arrays are told apart by their methods
+    if hasattr(duck, "numpy"):  # torch tensor
+        duck = duck.detach().cpu().numpy()
+    if hasattr(duck, "astype"):  # numpy array
+        return bytes(duck.astype("<u4", copy=False).tobytes())
+    packed = array.array("I", duck)
     if sys.byteorder != "little":
         packed.byteswap()
     return packed.tobytes()
 
 
 def page_keys(
-    tokens: Sequence[int] | Any,
+    tokens: Tokens,
     page_size: int,
     namespace: KeyNamespace,
     salt: bytes | str | None = None,

@@ -38,6 +38,12 @@ def test_unknown_scheme_and_option_are_config_errors():
         open_store("memory://?colour=red", page_bytes=PAGE)
 
 
+@pytest.mark.parametrize("max_bytes", [1.5, [1024], "lots"])
+def test_a_memory_store_cap_that_is_no_byte_count_is_refused_naming_it(max_bytes: object) -> None:
+    with pytest.raises(ConfigError, match="max_bytes"):
+        open_store("memory://", page_bytes=PAGE, max_bytes=max_bytes)
+
+
 def test_closed_store_raises_and_wrong_buffer_size_raises():
     store = open_store("memory://", page_bytes=PAGE)
     with pytest.raises(ValueError):

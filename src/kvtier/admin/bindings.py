@@ -22,7 +22,7 @@ import logging
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvtier.errors import KvtierError, LayoutMismatch
 
@@ -56,12 +56,12 @@ class Binding:
 
     slot: str
     generation: int
-    resource: Any = None
-    facets: dict[str, Any] = field(default_factory=dict)
+    resource: object = None
+    facets: dict[str, object] = field(default_factory=dict)
     detail: str = ""
     disabled: str = ""
 
-    def expected(self, facet: str | None) -> Any:
+    def expected(self, facet: str | None) -> object:
         if self.resource is None:
             return None
         return self.resource if facet is None else self.facets.get(facet)
@@ -72,7 +72,7 @@ class Later:
     """A swap target known only once the steps ran (a pool that one of them builds):
     ``resolve()`` returns the resource and its facets."""
 
-    resolve: Callable[[], tuple[Any, dict[str, Any]]]
+    resolve: Callable[[], tuple[object, dict[str, object]]]
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ class Reader:
 
     name: str
     slot: str
-    holds: Callable[[], Any]
+    holds: Callable[[], object]
     facet: str | None = None
 
 
@@ -112,7 +112,7 @@ class BindingTable:
         self.incoherent_total = 0
 
     # ---- binding -------------------------------------------------------------------------
-    def bind(self, slot: str, resource: Any, *, facets: dict[str, Any] | None = None,
+    def bind(self, slot: str, resource: object, *, facets: dict[str, object] | None = None,
              detail: str = "", disabled: str = "") -> Binding:
         """Stamp ``slot`` with the next generation, bound to ``resource``."""
         previous = self._current.get(slot)
@@ -156,15 +156,15 @@ class BindingTable:
         if lags:
             raise BindingIncoherent(lags)
 
-    def _generation_of(self, reader: Reader, held: Any) -> int | None:
+    def _generation_of(self, reader: Reader, held: object) -> int | None:
         for binding in reversed(self._history.get(reader.slot, ())):
             if held is binding.expected(reader.facet):
                 return binding.generation
         return None
 
     # ---- swapping ------------------------------------------------------------------------
-    def swap(self, slot: str, new: Any, steps: Sequence[Callable[[], object]],
-             disable: Callable[[], None], *, facets: dict[str, Any] | None = None,
+    def swap(self, slot: str, new: object, steps: Sequence[Callable[[], object]],
+             disable: Callable[[], None], *, facets: dict[str, object] | None = None,
              detail: str = "") -> Binding:
         """Run ``steps`` (each rebinds readers to ``new``, or builds it when ``new`` is a
         ``Later``), bind, check; on any failure run ``disable`` and mark the slot disabled,
@@ -197,7 +197,7 @@ class BindingTable:
         if lags:
             log.error("%s still has readers left behind: %s", slot, "; ".join(map(str, lags)))
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, object]:
         slots = {}
         for slot, binding in sorted(self._current.items()):
             slots[slot] = {"generation": binding.generation, "bound": binding.resource is not None,

@@ -19,7 +19,7 @@ the store tiers unbound since they only talk to the host tier): logged, counted,
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvtier.admin.bindings import Later, check_host_shape
 from kvtier.admin.reconfig_support import STORE_TIERS, Busy, Unsupported
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 
 def rebuild_host_pool(admin: StorageAdmin, *, pool_bytes: int | None = None,
-                      new_pool: HostPool | None = None) -> dict[str, Any]:
+                      new_pool: HostPool | None = None) -> dict[str, object]:
     """Replace the host pool by one of ``pool_bytes`` (or by ``new_pool``); see the module
     docstring. Returns old and new page counts and the new generation."""
     ctx, cache = admin.ctx, admin.cache
@@ -79,7 +79,7 @@ def rebuild_host_pool(admin: StorageAdmin, *, pool_bytes: int | None = None,
 
 
 def _available(budget: PinnedBudget | None) -> int:
-    return int(budget.stats()["available_bytes"]) if budget is not None else 1 << 62
+    return budget.available_bytes if budget is not None else 1 << 62
 
 
 def _check_budget(budget: PinnedBudget | None, need: int, old: HostPool) -> None:

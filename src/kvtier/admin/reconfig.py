@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvtier.admin.bindings import ABSENT, BindingTable, Reader
 from kvtier.admin.reconfig_support import (
@@ -44,7 +44,7 @@ from kvtier.config import KvtierConfig
 from kvtier.controller.jobs import Job
 from kvtier.controller.wiring import bind_store
 from kvtier.index.residency import TIER_INDEX, Allocator
-from kvtier.store.base import PageStore
+from kvtier.store.base import PageStore, Resizable
 
 if TYPE_CHECKING:
     from kvtier.cache import TieredCache
@@ -56,7 +56,7 @@ class StorageAdmin:
     """See the module docstring."""
 
     def __init__(self, cache: TieredCache, config: KvtierConfig, *,
-                 engine_holds: Callable[[], Any] | None = None) -> None:
+                 engine_holds: Callable[[], object] | None = None) -> None:
         self.cache = cache
         self.ctx = cache.ctx
         self.controller = cache.controller
@@ -83,7 +83,7 @@ class StorageAdmin:
                 self._marks[tier] = store
             self.table.bind(self.slot(tier), store, detail=self.urls.get(tier, "none"))
 
-    def _register_readers(self, engine_holds: Callable[[], Any] | None) -> None:
+    def _register_readers(self, engine_holds: Callable[[], object] | None) -> None:
         ctx, add = self.ctx, self.table.register
         add(Reader("controller", "device_pool", lambda: ctx.device_pool))
         add(Reader("index", "device_pool", lambda: self._allocator("device"), "allocator"))
@@ -127,13 +127,13 @@ class StorageAdmin:
         return ABSENT
 
     # ---- queries -----------------------------------------------------------------------------
-    def storage(self) -> list[dict[str, Any]]:
+    def storage(self) -> list[dict[str, object]]:
         """Per store tier: attached or not, URL (redacted), usage, cap, health, generation."""
         rows = []
         for tier in STORE_TIERS:
             binding = self.table.current(self.slot(tier))
             store = self.ctx.stores.get(tier)
-            row: dict[str, Any] = {"tier": tier, "attached": store is not None,
+            row: dict[str, object] = {"tier": tier, "attached": store is not None,
                                    "url": self.urls.get(tier) if store is not None else None,
                                    "generation": binding.generation,
                                    "disabled": binding.disabled or None}
@@ -143,7 +143,7 @@ class StorageAdmin:
         return rows
 
     # ---- changes (engine thread) ---------------------------------------------------------------
-    def attach(self, tier: str, url: str, max_bytes: int | None = None) -> dict[str, Any]:
+    def attach(self, tier: str, url: str, max_bytes: int | None = None) -> dict[str, object]:
         self._check_tier(tier)
         if self.ctx.stores.get(tier) is not None:
             raise Busy(f"the {tier} tier already has a store ({self.urls.get(tier)}); detach it "
@@ -166,7 +166,7 @@ class StorageAdmin:
         self.urls[tier] = shown
         return {"tier": tier, "attached": shown, "generation": binding.generation}
 
-    def detach(self, tier: str, wait_s: float | None = None) -> dict[str, Any]:
+    def detach(self, tier: str, wait_s: float | None = None) -> dict[str, object]:
         store = self._attached(tier)
         url = self.urls.get(tier)
         with self._paused(tier, store, restore_on_success=False):
@@ -187,7 +187,7 @@ class StorageAdmin:
         return {"tier": tier, "detached": url, "cancelled_jobs": cancelled,
                 "generation": binding.generation}
 
-    def clear(self, tier: str, wait_s: float | None = None) -> dict[str, Any]:
+    def clear(self, tier: str, wait_s: float | None = None) -> dict[str, object]:
         store = self._attached(tier)
         clear = getattr(store, "clear", None)
         if not callable(clear):
@@ -203,22 +203,20 @@ class StorageAdmin:
         return {"tier": tier, "pages_before": before, "pages_after": store.stats().pages,
                 "cancelled_jobs": cancelled}
 
-    def flush(self) -> dict[str, Any]:
+    def flush(self) -> dict[str, object]:
         return {"dropped_pages": self.cache.flush()}
 
     def store_to_resize(self, tier: str) -> PageStore:
         """The attached store of ``tier`` (engine thread); ``resize`` then runs anywhere."""
         store = self._attached(tier)
-        if not callable(getattr(store, "resize", None)):
-            raise Unsupported(f"the {store.scheme} backend of the {tier} tier has no kvtier-side "
-                              "cap (a redis tier's capacity is the server's maxmemory)")
+        _resizable(tier, store)
         return store
 
     @staticmethod
-    def resize(tier: str, store: Any, max_bytes: int) -> dict[str, Any]:
+    def resize(tier: str, store: PageStore, max_bytes: int) -> dict[str, object]:
         """Set the cap; a shrink evicts until the store fits and returns when it does."""
         before = store.stats()
-        result = store.resize(max_bytes)
+        result = _resizable(tier, store).resize(max_bytes)
         after = store.stats()
         return {"tier": tier, "max_bytes": max_bytes, "pages_before": before.pages,
                 "pages_after": after.pages, "bytes_before": before.bytes,
@@ -271,3 +269,9 @@ class StorageAdmin:
         self.controller.poll()
         return len(live)
 
+
+def _resizable(tier: str, store: PageStore) -> Resizable:
+    if not isinstance(store, Resizable):
+        raise Unsupported(f"the {store.scheme} backend of the {tier} tier has no kvtier-side "
+                          "cap (a redis tier's capacity is the server's maxmemory)")
+    return store

@@ -11,7 +11,6 @@ for that tier, as ``TieredCache.build`` opens its configured stores), ``redact_s
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from kvtier.config import KvtierConfig, redact_url
@@ -55,11 +54,11 @@ def open_tier_store(config: KvtierConfig, layout: KVLayout, tier: str, url: str,
     if scheme == "memory":
         caps = {} if max_bytes is None else {"max_bytes": max_bytes}
         return open_store(url, page_bytes=layout.page_bytes, **caps)
-    fields: dict[str, Any] = {"disk_url": url if tier == "disk" else "",
-                              "remote_url": url if tier == "remote" else ""}
+    store = dataclasses.replace(config.store, disk_url=url if tier == "disk" else "",
+                                remote_url=url if tier == "remote" else "")
     if max_bytes is not None:
-        fields["disk_max_bytes"] = max_bytes
-    tier_config = dataclasses.replace(config, store=dataclasses.replace(config.store, **fields))
+        store = dataclasses.replace(store, disk_max_bytes=max_bytes)
+    tier_config = dataclasses.replace(config, store=store)
     return open_stores(tier_config, layout)[tier]
 
 
@@ -85,7 +84,7 @@ def describe_url(store: PageStore) -> str:
     return f"{getattr(store, 'scheme', 'store')}://{getattr(store, 'name', '') or ''}"
 
 
-def usage_and_health(store: PageStore) -> dict[str, Any]:
+def usage_and_health(store: PageStore) -> dict[str, object]:
     """Backend, pages, bytes, cap and counters of a store, and whether it answers."""
     try:
         stats = store.stats()

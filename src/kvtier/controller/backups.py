@@ -25,6 +25,7 @@ from typing import TypeGuard
 
 from kvtier.controller.context import CacheContext
 from kvtier.controller.jobs import BackupJob
+from kvtier.index.match import IndexMatch
 from kvtier.index.residency import Node
 
 MAX_PAGES_PER_JOB = 256
@@ -52,19 +53,23 @@ class Backups:
         self.deferred: deque[tuple[bytes, bytes, Sequence[bytes]]] = deque(maxlen=MAX_DEFERRED)
         self._ops = itertools.count(1)
 
-    def want(self, data: bytes, salt: bytes, keys: Sequence[bytes]) -> None:
-        """Back up what this path has on host and a store lacks (every store tier)."""
+    def want(self, data: bytes, salt: bytes, keys: Sequence[bytes],
+             match: IndexMatch | None = None) -> None:
+        """Back up what this path has on host and a store lacks (every store tier);
+        ``match``: a walk of ``data`` to reuse while the index is unchanged."""
         if not self.ctx.stores or self.ctx.workers is None:
             return
         for tier in self.ctx.stores:
-            self._schedule(tier, data, salt, keys)
+            match = self._schedule(tier, data, salt, keys, match)
 
-    def _schedule(self, tier: str, data: bytes, salt: bytes, keys: Sequence[bytes]) -> None:
+    def _schedule(self, tier: str, data: bytes, salt: bytes, keys: Sequence[bytes],
+                  match: IndexMatch | None) -> IndexMatch:
+        """Submit one backup job of the path's next pages for ``tier``; returns the walk."""
         ctx = self.ctx
-        match = ctx.index.match(data, salt)
+        match = ctx.index.match(data, salt) if match is None else ctx.index.current(match)
         lo, hi = match.depth_of(tier), min(match.depth_of("host"), len(keys))
         if lo >= hi:
-            return
+            return match
         busy = self.in_flight[tier]
         admission, workers = ctx.admission, ctx.workers
         assert admission is not None and workers is not None, "backups without IO workers"
@@ -76,12 +81,12 @@ class Backups:
             if room <= 0:
                 ctx.count(f"backup_refused_total.{tier}")
             self._defer(data, salt, keys)
-            return
+            return match
         op_id = ("backup", tier, next(self._ops))
         if not admission.admit(op_id, n):
             ctx.count(f"backup_refused_total.{tier}")
             self._defer(data, salt, keys)
-            return
+            return match
         host_node, match = ctx.lock_on(match, lo + n, "host")
         host_ids = match.ids("host", lo, lo + n)
         job = BackupJob(tier, ctx.stores[tier], [bytes(k) for k in keys[lo:lo + n]], host_ids,
@@ -90,12 +95,13 @@ class Backups:
             admission.release(op_id, "failure")
             ctx.unlock(host_node, "host")
             ctx.count(f"backup_refused_total.{tier}")
-            return
+            return match
         admission.occupy(op_id, n)
         busy.update(job.keys)
         self.tasks[job.id] = BackupTask(job, data, salt, keys, lo, op_id, host_node)
         if lo + n < hi:
             self._defer(data, salt, keys)  # the rest follows once this part is confirmed
+        return match
 
     def _defer(self, data: bytes, salt: bytes, keys: Sequence[bytes]) -> None:
         if len(self.deferred) == self.deferred.maxlen:

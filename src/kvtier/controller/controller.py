@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
 
 from kvtier.controller.backups import Backups
 from kvtier.controller.context import CacheContext
@@ -29,7 +28,9 @@ from kvtier.controller.prefetch import Prefetcher
 from kvtier.controller.ranks import Collective, RankAgreement
 from kvtier.controller.split import RateBook, plan_split
 from kvtier.controller.writes import HostWriter
+from kvtier.hints import CacheHint
 from kvtier.index.radix import as_token_bytes, salt_bytes
+from kvtier.keys import Tokens
 
 
 class CacheController:
@@ -57,7 +58,8 @@ class CacheController:
         ctx = self.ctx
         if hit.reach("remote") <= hit.reach("host") or ctx.workers is None:
             return
-        match = ctx.index.match(hit._data, hit.salt)
+        match = (ctx.index.match(hit._data, hit.salt) if hit._match is None
+                 else ctx.index.current(hit._match))
         head = max(recompute_tokens, 0) // ctx.page_size
         lo = max(match.depth_of("device"), match.depth_of("host"), head)
         hi = min(hit.pages, max(hit._store_ends))
@@ -87,15 +89,17 @@ class CacheController:
         self.engine_pages.difference_update(ids)
         self.ctx.index.free("device", ids)
 
-    def commit(self, tokens: Any, device_page_ids: Sequence[int],
-               salt: bytes | str | None = None) -> None:
+    def commit(self, tokens: Tokens, device_page_ids: Sequence[int],
+               salt: bytes | str | None = None, loaded: Loaded | None = None) -> None:
         """Insert every full page of ``tokens`` on device; ownership of every id passed moves
-        to the cache (ids of pages it already holds are freed), then the write policy runs."""
+        to the cache (ids of pages it already holds are freed), then the write policy runs.
+        ``loaded`` (the request's load): continue its walk of the tree instead of walking."""
         ctx = self.ctx
         data, key = as_token_bytes(tokens), salt_bytes(salt)
         full = len(data) // ctx.step
         ids = [int(i) for i in device_page_ids]
-        match = ctx.index.match(data, key)
+        walked = loaded._match if loaded is not None else None
+        match = ctx.index.match(data, key) if walked is None else ctx.index.extend(walked, data, key)
         self._check_ownership(ids, full, match.ids("device", 0, min(match.depth_of("device"),
                                                                        full)))
         for page_id in ids:
@@ -104,15 +108,15 @@ class CacheController:
             if owner is not None:
                 owner._private.discard(page_id)
         keys = ctx.keys(match, full)
-        result = ctx.index.insert(data, keys, tier="device", ids=ids[:full], salt=key)
+        result = ctx.index.insert(data, keys, tier="device", ids=ids[:full], salt=key, after=match)
         held = set(match.ids("device", 0, min(match.depth_of("device"), full)))
         ctx.index.free("device", result.unused_ids + [i for i in ids[full:] if i not in held])
         ctx.count("commit_total")
         ctx.count("commit_new_pages_total", result.taken)
         self.hints.observe(result.taken, time.monotonic())
-        self.writer.after_commit(data, key, keys, match)  # walks again only if insert changed it
+        self.writer.after_commit(data, key, keys, result.match)
 
-    def hint(self, tokens: Any, hint: Any, salt: bytes | str | None = None,
+    def hint(self, tokens: Tokens, hint: CacheHint, salt: bytes | str | None = None,
              tenant: str = "") -> HintOutcome:
         """Apply a request's cache hint to the device path of ``tokens`` (after its commit)."""
         data, key = as_token_bytes(tokens), salt_bytes(salt)

@@ -72,6 +72,9 @@ class Loaded:
     #: layer ``l`` (``ticket.stream_wait(layer=l)``); None once the pages have landed.
     ticket: Ticket | None = field(default=None, repr=False)
     _host_lock_node: Node | None = field(default=None, repr=False)
+    #: This rank's walk of the index as the load left it; ``commit(..., loaded=...)`` continues
+    #: it (``RadixIndex.extend``) instead of walking the tree again.
+    _match: IndexMatch | None = field(default=None, repr=False)
 
     @property
     def pages(self) -> int:

@@ -19,10 +19,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from kvtier.hints import CacheHint
 from kvtier.index.residency import TIER_INDEX, Node
+from kvtier.index.tree import Tree
 
 FILL_WINDOW_S = 60.0   # the fill rate is re-measured over this much time
 
@@ -36,7 +36,7 @@ class HintOutcome:
     refused_pages: int
     head_start_pages: float
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
         return {"retention_s": self.retention_s, "applied_pages": self.applied_pages,
                 "refused_pages": self.refused_pages,
                 "head_start_pages": round(self.head_start_pages, 1)}
@@ -45,7 +45,7 @@ class HintOutcome:
 class HintBook:
     """Per-tenant hinted prefixes, their expiry, and the fill rate that sizes head starts."""
 
-    def __init__(self, index: Any, share: float, count: Callable[[str, int], None],
+    def __init__(self, index: Tree, share: float, count: Callable[[str, int], None],
                  tiers: Sequence[str] = ("device", "host")) -> None:
         if not 0.0 <= share <= 1.0:
             raise ValueError(f"hint share must be within [0, 1], got {share}")

@@ -171,7 +171,9 @@ class LoadBack:
         if not plan.prefix_mode:
             return end, device_ids
         result = ctx.index.insert(plan.data, plan.keys, tier="device", ids=device_ids,
-                                  start=plan.begin, stop=end, salt=plan.salt, strict=False)
+                                  start=plan.begin, stop=end, salt=plan.salt, strict=False,
+                                  after=self._walk(plan))
+        plan.match = result.match
         ctx.index.free("device", result.unused_ids)
         return plan.begin + result.taken, []
 
@@ -179,7 +181,8 @@ class LoadBack:
         """Landed pages enter the host tier (where it stays prefix-closed) or go back."""
         if plan.landed_ids and plan.task is not None:
             ids, plan.landed_ids = plan.landed_ids, []
-            self.prefetcher._insert_landed(plan.task, 0, ids)
+            _, plan.match = self.prefetcher.insert_landed(plan.task, 0, ids,
+                                                          after=self._walk(plan))
 
     # ---- step 5 ----------------------------------------------------------------------------
     def _finish(self, hit: Hit, plan: LoadPlan, end: int, private: list[int]) -> Loaded:
@@ -206,6 +209,7 @@ class LoadBack:
         ctx.count("loaded_tokens_total", loaded.tokens - loaded.start_tokens)
         if plan.keys:
             self.writer.after_load(plan.data, plan.salt, plan.keys, plan.match)
+        loaded._match = plan.match  # commit re-walks it if the write policy changed the tree
         return loaded
 
     def _walk(self, plan: LoadPlan) -> IndexMatch:

@@ -19,7 +19,7 @@ from kvtier.controller.handles import TIER_ORDER, Hit
 from kvtier.controller.ranks import RankAgreement
 from kvtier.index.match import IndexMatch
 from kvtier.index.radix import as_token_bytes, salt_bytes
-from kvtier.keys import PageKey
+from kvtier.keys import PageKey, Tokens
 
 
 class Lookup:
@@ -27,7 +27,7 @@ class Lookup:
         self.ctx = ctx
         self.ranks = ranks
 
-    def match(self, tokens: object, salt: bytes | str | None = None) -> Hit:
+    def match(self, tokens: Tokens, salt: bytes | str | None = None) -> Hit:
         data, key = as_token_bytes(tokens), salt_bytes(salt)
         local: tuple[tuple[int, ...], tuple[int, int], IndexMatch | None]
         try:

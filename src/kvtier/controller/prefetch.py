@@ -33,6 +33,7 @@ from kvtier.config import ControllerConfig
 from kvtier.controller.context import CacheContext
 from kvtier.controller.jobs import PrefetchJob, Segment
 from kvtier.errors import PoolExhausted
+from kvtier.index.match import IndexMatch
 from kvtier.memory.admission import staging_capacity_pages
 
 
@@ -180,7 +181,7 @@ class Prefetcher:
         del self.tasks[job.id]
         late = job.host_ids[task.taken:job.landed] if task.background else []
         if late:
-            kept = self._insert_landed(task, task.taken, late)
+            kept, _ = self.insert_landed(task, task.taken, late)
             ctx.count("prefetch_late_pages_total", kept)
         rest = job.host_ids[task.taken:]
         keep = set(late)
@@ -193,20 +194,24 @@ class Prefetcher:
         if job.missed_tier is not None:
             self.forget_missing(task, task.lo + job.landed, job.missed_tier)
 
-    def _insert_landed(self, task: PrefetchTask, first: int, host_ids: list[int]) -> int:
-        """Put landed pages ``first..`` of the task into the host tier (where closure allows);
-        the pages it does not take are freed here. Returns the pages kept."""
+    def insert_landed(self, task: PrefetchTask, first: int, host_ids: list[int], *,
+                      after: IndexMatch | None = None) -> tuple[int, IndexMatch | None]:
+        """Put landed pages ``first..`` of the task into the host tier (where closure allows),
+        and mark the stores they came from; the pages it does not take are freed here. Returns
+        the pages kept and, given ``after`` (a walk of the task's prompt), the walk as the
+        inserts left it (each insert follows the one before)."""
         index = self.ctx.index
         lo = task.lo + first
         result = index.insert(task.data, task.keys, tier="host", ids=host_ids, start=lo,
-                              stop=lo + len(host_ids), salt=task.salt, strict=False)
+                              stop=lo + len(host_ids), salt=task.salt, strict=False, after=after)
         index.free("host", result.unused_ids)
+        walk = result.match
         for tier, a, b in (("disk", lo, min(task.disk_end, lo + len(host_ids))),
                            ("remote", max(lo, task.disk_end), lo + len(host_ids))):
             if a < b and tier in self.ctx.stores:
-                index.insert(task.data, task.keys, tier=tier, start=a, stop=b, salt=task.salt,
-                             strict=False)
-        return result.taken
+                walk = index.insert(task.data, task.keys, tier=tier, start=a, stop=b,
+                                    salt=task.salt, strict=False, after=walk).match
+        return result.taken, walk
 
     def forget_missing(self, task: PrefetchTask, page: int, tier: str) -> None:
         """A store missed ``page``: drop the index's belief that the tier holds it (and below)."""

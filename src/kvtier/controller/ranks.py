@@ -33,9 +33,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvtier.errors import KvtierError
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed import ProcessGroup
 
 Collective = Callable[[int], int]
 
@@ -114,7 +118,8 @@ class ThreadCollective:
         self._barrier.abort()
 
 
-def torch_min_across_ranks(group: Any = None, device: Any = None) -> Collective:
+def torch_min_across_ranks(group: ProcessGroup | None = None,
+                           device: torch.device | str | None = None) -> Collective:
     """``min_across_ranks`` over a ``torch.distributed`` process group (all-reduce MIN)."""
     import torch
     import torch.distributed as dist

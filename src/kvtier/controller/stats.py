@@ -8,7 +8,7 @@ turns it into Prometheus series. Engine thread.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvtier.controller.context import CacheContext
 from kvtier.index.residency import TIERS
@@ -18,9 +18,9 @@ if TYPE_CHECKING:
     from kvtier.memory.pinned import PinnedBudget
 
 
-def nest_counters(counters: dict[str, int]) -> dict[str, Any]:
+def nest_counters(counters: dict[str, int]) -> dict[str, object]:
     """``{"prefetch_total.timeout": 2}`` -> ``{"prefetch_total": {"timeout": 2}}``."""
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for name, value in sorted(counters.items()):
         head, _, rest = name.partition(".")
         if rest:
@@ -35,7 +35,7 @@ def nest_counters(counters: dict[str, int]) -> dict[str, Any]:
 
 
 def cache_stats(ctx: CacheContext, controller: CacheController,
-                pinned_budget: PinnedBudget | None) -> dict[str, Any]:
+                pinned_budget: PinnedBudget | None) -> dict[str, object]:
     index = ctx.index
     tiers = {}
     for tier in TIERS:
@@ -43,7 +43,7 @@ def cache_stats(ctx: CacheContext, controller: CacheController,
         tiers[tier] = {"pages": sizes.resident, "evictable": sizes.evictable,
                        "protected": sizes.protected, "free": sizes.free,
                        "tokens": sizes.resident * ctx.page_size}
-    out: dict[str, Any] = {
+    out: dict[str, object] = {
         "page_size": ctx.page_size,
         "write_policy": ctx.config.write_policy,
         "prefetch_policy": ctx.config.prefetch_policy,

@@ -17,7 +17,7 @@ Engine thread only (building, or a change with the engine idle).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, urlsplit
 
 from kvtier.config import KvtierConfig
@@ -84,7 +84,7 @@ def open_stores(config: KvtierConfig, layout: KVLayout) -> dict[str, PageStore]:
     store = config.store
     try:
         if store.disk_url:
-            options: dict[str, Any] = {"max_bytes": store.disk_max_bytes}
+            options: dict[str, object] = {"max_bytes": store.disk_max_bytes}
             if urlsplit(store.disk_url).scheme == "file":
                 options["min_free_bytes"] = store.disk_min_free_bytes
             out["disk"] = open_store(store.disk_url, page_bytes=layout.page_bytes,
@@ -104,7 +104,7 @@ def open_stores(config: KvtierConfig, layout: KVLayout) -> dict[str, PageStore]:
     return out
 
 
-def _not_in_query(url: str, options: dict[str, Any]) -> dict[str, Any]:
+def _not_in_query(url: str, options: dict[str, object]) -> dict[str, object]:
     """Config values as store options, unless the URL's query sets them itself."""
     given = {name for name, _ in parse_qsl(urlsplit(url).query)}
     return {k: v for k, v in options.items() if k not in given}

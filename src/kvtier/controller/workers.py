@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvtier.controller.jobs import LOAD, HostPages, Job
 
@@ -112,7 +112,7 @@ class IOWorkers:
             if thread.is_alive():
                 self._counts["stuck_on_close"] += 1
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, object]:
         with self._cond:
             return {"workers": len(self._threads), "queue_depth": self._depth,
                     "queued_loads": len(self._queues[0]), "queued_stores": len(self._queues[1]),

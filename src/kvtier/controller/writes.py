@@ -50,6 +50,7 @@ class HostCopy:
     host_ids: list[int]
     device_node: Node | None
     host_node: Node | None
+    match: IndexMatch   # the walk of the prompt when the copy was submitted
 
 
 class HostWriter:
@@ -68,7 +69,7 @@ class HostWriter:
                      match: IndexMatch | None = None) -> None:
         """Apply the write policy to a committed prompt (``match``: a walk of it to reuse)."""
         if self.policy == "write_back" or not self.ctx.has_host:
-            self.backups.want(data, salt, keys)
+            self.backups.want(data, salt, keys, match)
             return
         match = self._walk(data, salt, match)
         self.copy(data, salt, keys, self._admitted_depth(match), match=match)
@@ -118,7 +119,7 @@ class HostWriter:
         ticket = ctx.copy.store(device_ids, host_ids)
         ctx.host_outside += len(host_ids)
         ctx.count("host_copy_pages_total", len(host_ids))
-        record = HostCopy(ticket, data, salt, keys, lo, host_ids, device_node, host_node)
+        record = HostCopy(ticket, data, salt, keys, lo, host_ids, device_node, host_node, match)
         if wait:
             ticket.wait(None)
             self._complete(record)
@@ -156,10 +157,10 @@ class HostWriter:
         n = len(record.host_ids)
         result = ctx.index.insert(record.data, record.keys, tier="host", ids=record.host_ids,
                                   start=record.lo, stop=record.lo + n, salt=record.salt,
-                                  strict=False)
+                                  strict=False, after=record.match)
         ctx.index.free("host", result.unused_ids)
         ctx.host_outside -= n
         ctx.count("host_copy_dropped_pages_total", len(result.unused_ids))
         ctx.unlock(record.device_node, "device")
         ctx.unlock(record.host_node, "host")
-        self.backups.want(record.data, record.salt, record.keys)
+        self.backups.want(record.data, record.salt, record.keys, result.match)

@@ -20,8 +20,7 @@ import importlib
 import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Sequence
 
 from kvtier.keys import KEY_BYTES
 
@@ -283,11 +282,12 @@ EVICTION_POLICIES: dict[str, str] = {
 }
 
 
-def make_eviction_policy(name: str, **options: Any) -> EvictionPolicy:
+def make_eviction_policy(name: str, **options: object) -> EvictionPolicy:
     """A new policy instance by registered name (one instance per tier)."""
     if name not in EVICTION_POLICIES:
         from kvtier.errors import ConfigError
 
         raise ConfigError("eviction policy", name, ", ".join(sorted(EVICTION_POLICIES)))
     module, _, cls = EVICTION_POLICIES[name].partition(":")
-    return getattr(importlib.import_module(module), cls)(**options)
+    factory: Callable[..., EvictionPolicy] = getattr(importlib.import_module(module), cls)
+    return factory(**options)

@@ -1,9 +1,10 @@
-"""One insert's walk down the radix tree (``RadixIndex.insert``).
+"""One insert's walk down the radix tree (``RadixIndex.insert``), and the checks of its range.
 
-Owns ``InsertWalk``: it follows the prompt's pages from the root, splits runs where the prompt
-departs from them or where the range ends, puts the tier on every node of the range that lacks
-it (closure permitting), grows one new node for the pages the tree lacks, and collects the ids
-it did not take. Engine thread only; no torch.
+Owns ``InsertWalk``: it follows the prompt's pages from the root (or along a walk already made,
+node by node), splits runs where the prompt departs from them or where the range ends, puts the
+tier on every node of the range that lacks it (closure permitting), grows one new node for the
+pages the tree lacks, collects the ids it did not take, and records the path it walked. Engine
+thread only; no torch.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvtier.index.residency import NO_IDS, TIERS, Node, make_ids
+from kvtier.index.residency import NO_IDS, TIERS, Node, TierLedger, make_ids
+from kvtier.index.walk import common_pages
 
 if TYPE_CHECKING:
     from kvtier.index.radix import RadixIndex
@@ -27,15 +29,21 @@ class InsertWalk:
         self.taken = 0
         self.unused: list[int] = []
         self.pos = 0
+        #: The nodes walked, root-down, each (node, pages used), and the node ending at ``pos``.
+        self.path: list[tuple[Node, int]] = []
+        self.at: Node | None = None
 
-    def run(self, root: Node) -> Node | None:
-        index, step = self.index, self.index._step
+    def run(self, root: Node, along: Sequence[tuple[Node, int]] = ()) -> Node | None:
+        """Walk and apply the range; ``along`` (a current walk of these tokens) is followed
+        node by node while it covers whole nodes, instead of looking up and comparing."""
+        index = self.index
         node, deepest = root, None
+        self.at = root
+        hints = iter(along)
         while self.pos < self.stop:
-            child = node.children.get(self.data[self.pos * step:(self.pos + 1) * step])
+            child, used = self._next(node, next(hints, None))
             if child is None:
                 return self._grow(node) or deepest
-            used = index._common_pages(child, self.data, self.pos, self.stop - self.pos)
             if used < child.pages:
                 child = index.split(child, used)
             if not self._cover(node, child):
@@ -43,9 +51,21 @@ class InsertWalk:
             for t in range(len(TIERS)):
                 index.ledgers[t].policy.touch(child)
             child.last_access = index._clock
-            node = deepest = child
+            self.path.append((child, used))
+            node = deepest = self.at = child
             self.pos += used
         return deepest
+
+    def _next(self, node: Node, hint: tuple[Node, int] | None) -> tuple[Node | None, int]:
+        """The child of ``node`` holding page ``pos`` and how many of its pages the range
+        uses: the followed walk's next node when that walk used all of it, else looked up."""
+        if hint is not None and hint[1] == hint[0].pages and hint[0].parent is node:
+            return hint[0], min(hint[1], self.stop - self.pos)
+        step = self.index._step
+        child = node.children.get(self.data[self.pos * step:(self.pos + 1) * step])
+        if child is None:
+            return None, 0
+        return child, common_pages(child, self.data, self.pos, self.stop - self.pos, step)
 
     def _refuse(self, why: str) -> bool:
         if self.strict:
@@ -65,7 +85,9 @@ class InsertWalk:
         node = self.index._new_node(parent, self.data, self.keys, self.pos, self.stop)
         self.index._set(node, self.t, make_ids(self._ids(self.pos, self.stop)))
         self.taken += self.stop - self.pos
+        self.path.append((node, self.stop - self.pos))
         self.pos = self.stop
+        self.at = node
         return node
 
     def _cover(self, parent: Node, node: Node) -> bool:
@@ -91,3 +113,18 @@ class InsertWalk:
 
     def _ids(self, lo: int, hi: int) -> list[int] | None:
         return None if self.ids is None else list(self.ids[lo - self.start:hi - self.start])
+
+
+def check_insert_args(ledger: TierLedger, full: int, keys: Sequence[bytes] | None,
+                      ids: Sequence[int] | None, start: int, stop: int) -> None:
+    """Refuse (``ValueError``) an insert of pages ``[start, stop)`` of a prompt of ``full``
+    pages whose ids or keys do not fit the range or the tier."""
+    if not 0 <= start <= stop <= full:
+        raise ValueError(f"page range [{start}, {stop}) outside the prompt's {full} full pages")
+    if ledger.has_ids != (ids is not None):
+        need = "needs page ids" if ledger.has_ids else "takes no page ids"
+        raise ValueError(f"tier {ledger.name} {need}")
+    if ids is not None and len(ids) != stop - start:
+        raise ValueError(f"{len(ids)} ids for {stop - start} pages")
+    if keys is not None and len(keys) < stop:
+        raise ValueError(f"{len(keys)} keys for {stop} pages")

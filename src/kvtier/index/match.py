@@ -58,6 +58,7 @@ class IndexMatch:
                 value = node.res[t]
                 if value is NO_IDS:
                     raise ValueError(f"tier {tier} has no page ids")
+                assert value is not None, "a node within a tier's depth is on that tier"
                 out.extend(value[lo - pos:hi - pos])
             pos += used
             if pos >= stop:
@@ -105,3 +106,4 @@ class InsertResult:
     taken: int
     unused_ids: list[int]
     stopped_at: int   # first page not covered (== stop unless a lenient insert stopped early)
+    match: IndexMatch | None = None   # the walk of the tokens after the insert (given ``after``)

@@ -26,22 +26,21 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any, cast
+from typing import cast
 
 from kvtier.errors import PoolExhausted
-from kvtier.index.insert import InsertWalk
+from kvtier.index.insert import InsertWalk, check_insert_args
 from kvtier.index.integrity import check_index
 from kvtier.index.match import IndexMatch, InsertResult
-from kvtier.index.residency import TIERS, Allocator, Node, TierLedger, TierSizes, tier_index
+from kvtier.index.residency import Allocator, Node, TierLedger, TierSizes, tier_index
 from kvtier.index.tree import EvictHook, ResidencyObserver, Tree
-from kvtier.keys import token_bytes
+from kvtier.index.walk import Depths, Path, descend
+from kvtier.keys import Tokens, token_bytes
 
 __all__ = ["EvictHook", "RadixIndex", "ResidencyObserver", "as_token_bytes", "salt_bytes"]
 
-_ALL_TIERS = (1 << len(TIERS)) - 1
 
-
-def as_token_bytes(tokens: Any) -> bytes:
+def as_token_bytes(tokens: Tokens) -> bytes:
     """Token ids as uint32 little-endian bytes (bytes pass through unchanged)."""
     if isinstance(tokens, bytes):
         return tokens
@@ -66,49 +65,21 @@ class RadixIndex(Tree):
     """
 
     # ---- lookup (no mutation) ------------------------------------------------------------
-    def match(self, tokens: Any, salt: bytes | str | None = None) -> IndexMatch:
-        """The longest indexed prefix of ``tokens`` and each tier's depth along it."""
+    def match(self, tokens: Tokens, salt: bytes | str | None = None) -> IndexMatch:
+        """The longest indexed prefix of ``tokens`` and each tier's depth along it (a walk
+        from the salt's root)."""
         data = as_token_bytes(tokens)
         key = salt_bytes(salt)
-        path: list[tuple[Node, int]] = []
-        depth = [0] * len(TIERS)
-        mask = _ALL_TIERS  # tiers holding every page walked so far
-        node = self._roots.get(key)
-        pos, step = 0, self._step
-        full = len(data) // step
-        startswith, append = data.startswith, path.append
-        while node is not None and pos < full:
-            offset = pos * step
-            child = node.children.get(data[offset:offset + step])
-            if child is None:
-                break
-            used = child.pages
-            if used > full - pos or not startswith(child.tokens, offset):
-                used = self._common_pages(child, data, pos, full - pos)
-            append((child, used))
-            if child.mask & mask != mask:
-                for t in range(len(TIERS)):
-                    if mask >> t & 1 and not child.mask >> t & 1:
-                        depth[t] = pos
-                mask &= child.mask
-            pos += used
-            node = child if used == child.pages else None
-        for t in range(len(TIERS)):
-            if mask >> t & 1:
-                depth[t] = pos
-        return IndexMatch(key, self.page_size, data, pos, tuple(depth), tuple(path), self.version)
+        return self._walk_on(key, data, self._roots.get(key), 0, [])
 
-    def _common_pages(self, node: Node, data: bytes, pos: int, limit: int) -> int:
-        """Leading pages of ``node`` equal to the prompt's pages from ``pos`` (first page known)."""
-        step = self._step
-        n = min(node.pages, limit)
-        if data.startswith(node.tokens if n == node.pages else node.tokens[:n * step], pos * step):
-            return n
-        used = 1
-        while used < n and data.startswith(node.tokens[used * step:(used + 1) * step],
-                                           (pos + used) * step):
-            used += 1
-        return used
+    def _walk_on(self, key: bytes, data: bytes, node: Node | None, pos: int,
+                 path: Path) -> IndexMatch:
+        """The match of ``data`` walked on down from ``node`` (ending at page ``pos``, reached
+        along ``path``, which grows to the end of the walk)."""
+        depths = Depths().over(path)
+        pages = descend(node, data, pos, path, self._step, depths)
+        return IndexMatch(key, self.page_size, data, pages, depths.at(pages), tuple(path),
+                          self.version)
 
     def touch(self, match: IndexMatch) -> None:
         """Record that a request used the matched prefix (hits, recency, every tier's policy)."""
@@ -119,9 +90,10 @@ class RadixIndex(Tree):
             for ledger in self.ledgers:
                 ledger.policy.touch(node)
     # ---- insert --------------------------------------------------------------------------
-    def insert(self, tokens: Any, keys: Sequence[bytes] | None = None, *, tier: str,
+    def insert(self, tokens: Tokens, keys: Sequence[bytes] | None = None, *, tier: str,
                ids: Sequence[int] | None = None, salt: bytes | str | None = None,
-               start: int = 0, stop: int | None = None, strict: bool = True) -> InsertResult:
+               start: int = 0, stop: int | None = None, strict: bool = True,
+               after: IndexMatch | None = None) -> InsertResult:
         """Put prefix pages ``[start, stop)`` of ``tokens`` on ``tier`` (``ids[i]`` for page
         ``start + i`` on tiers with page ids), creating nodes for pages the tree lacks.
 
@@ -129,41 +101,64 @@ class RadixIndex(Tree):
         The range must keep the tier prefix-closed (page ``start - 1`` on the tier) and new
         nodes must get the tier (``start`` <= the indexed depth): otherwise a strict insert
         raises ``ValueError`` and a lenient one stops there and returns the rest as unused.
+
+        ``after`` (a walk of these tokens, or of a prompt they extend, with the same salt)
+        makes the insert follow that walk's path (``extend``) instead of walking from the
+        root, and the result then carries the walk of ``tokens`` as it stands after the
+        insert (``InsertResult.match``).
         """
         data = as_token_bytes(tokens)
         t = tier_index(tier)
         ledger = self.ledgers[t]
         stop = len(data) // self._step if stop is None else stop
-        self._check_insert_args(ledger, data, keys, ids, start, stop)
+        check_insert_args(ledger, len(data) // self._step, keys, ids, start, stop)
+        key = salt_bytes(salt)
+        along = self.extend(after, data, key).path if after is not None else ()
         self._clock += 1
-        root = self._root(salt_bytes(salt))
+        root = self._root(key)
         walk = InsertWalk(self, data, keys, t, ids, start, stop, strict)
         try:
-            node = walk.run(root)
+            node = walk.run(root, along)
         finally:
             if not root.children and root.salt:
                 del self._roots[root.salt]
-        return InsertResult(node, walk.taken, walk.unused, walk.pos)
+        walked = None
+        if after is not None:
+            walked = self._walk_on(key, data, walk.at, walk.pos, walk.path)
+        return InsertResult(node, walk.taken, walk.unused, walk.pos, walked)
 
-    def _check_insert_args(self, ledger: TierLedger, data: bytes, keys: Sequence[bytes] | None,
-                           ids: Sequence[int] | None, start: int, stop: int) -> None:
-        if not 0 <= start <= stop <= len(data) // self._step:
-            raise ValueError(f"page range [{start}, {stop}) outside the prompt's "
-                             f"{len(data) // self._step} full pages")
-        if ledger.has_ids != (ids is not None):
-            need = "needs page ids" if ledger.has_ids else "takes no page ids"
-            raise ValueError(f"tier {ledger.name} {need}")
-        if ids is not None and len(ids) != stop - start:
-            raise ValueError(f"{len(ids)} ids for {stop - start} pages")
-        if keys is not None and len(keys) < stop:
-            raise ValueError(f"{len(keys)} keys for {stop} pages")
     def current(self, match: IndexMatch) -> IndexMatch:
         """``match`` itself while the index has not changed since that walk, else a new walk."""
         if match.version == self.version:
             return match
         return self.match(match.data, match.salt)
 
-    def boundary(self, tokens: Any, pages: int, salt: bytes | str | None = None) -> Node | None:
+    def extend(self, match: IndexMatch, tokens: Tokens, salt: bytes | str | None = None
+               ) -> IndexMatch:
+        """The walk of ``tokens`` (the same tokens as ``match`` walked over the shorter of the
+        two, e.g. a prompt and its generated tokens) continued from where ``match`` left the
+        tree: the answer of ``match(tokens, salt)`` without walking its prefix again. A stale
+        ``match`` is walked again first (``current``); other tokens or salt, from the root."""
+        data, key = as_token_bytes(tokens), salt_bytes(salt)
+        if match.salt != key:
+            return self.match(data, key)
+        match = self.current(match)
+        if match.data is data:
+            return match
+        n = min(len(match.data), len(data)) // self._step * self._step
+        if match.data[:n] != data[:n]:
+            return self.match(data, key)
+        full = len(data) // self._step
+        path: Path = []
+        node, pos = self._roots.get(key), 0
+        for child, used in match.path:  # the nodes it used whole (and the tokens hold whole)
+            if used != child.pages or pos + used > full:
+                break
+            path.append((child, used))
+            node, pos = child, pos + used
+        return self._walk_on(key, data, node, pos, path)
+
+    def boundary(self, tokens: Tokens, pages: int, salt: bytes | str | None = None) -> Node | None:
         """The node ending exactly after prefix page ``pages`` (splitting one if needed)."""
         if pages == 0:
             return None
@@ -258,7 +253,7 @@ class RadixIndex(Tree):
     def sizes(self, tier: str) -> TierSizes:
         return self.ledgers[tier_index(tier)].sizes()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, object]:
         nodes = sum(1 for _ in self.iter_nodes())
         return {"nodes": nodes, "salts": len(self._roots),
                 "tiers": {ledger.name: vars(ledger.sizes()) for ledger in self.ledgers}}

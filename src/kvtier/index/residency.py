@@ -21,7 +21,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol, TypeAlias
 
 from kvtier.errors import ConfigError, PoolExhausted
 from kvtier.index.eviction import EvictionPolicy
@@ -33,6 +33,8 @@ STORE_TIERS: tuple[str, ...] = ("disk", "remote")
 
 #: Residency marker for a tier that holds a run without page ids (a store known by flag).
 NO_IDS: tuple[int, ...] = ()
+#: What a node records for one tier: its page ids (tiers with ids) or ``NO_IDS``.
+Ids: TypeAlias = "array[int] | tuple[int, ...]"
 
 
 def tier_index(tier: str) -> int:
@@ -105,7 +107,7 @@ class Node:
         self.tokens = tokens          # pages * page_size uint32 little-endian token ids
         self.keys = keys              # pages * 32 bytes of PageKey, or b"" when keyless
         self.pages = pages
-        self.res: list[Any] = [None] * len(TIERS)
+        self.res: list[Ids | None] = [None] * len(TIERS)
         self.mask = 0                  # bit t set <=> res[t] is not None (fast walks)
         self.locks = [0] * len(TIERS)  # path locks: every lock below passes through here
         self.kids = [0] * len(TIERS)   # children resident on each tier
@@ -140,12 +142,12 @@ class Node:
         return f"Node(pages={self.pages}, on={where}, locks={self.locks}, hits={self.hits})"
 
 
-def make_ids(ids: Sequence[int] | None) -> Any:
+def make_ids(ids: Sequence[int] | None) -> Ids:
     """The residency value for a run: an int64 array of ids, or ``NO_IDS``."""
     return NO_IDS if ids is None else array("q", ids)
 
 
-def slice_ids(value: Any, start: int, stop: int) -> Any:
+def slice_ids(value: Ids | None, start: int, stop: int) -> Ids | None:
     if value is None or value is NO_IDS:
         return value
     return value[start:stop]

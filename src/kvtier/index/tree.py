@@ -11,7 +11,7 @@ none attached that costs one attribute test per transition. Engine thread only; 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 from kvtier.index.eviction import EvictionPolicy, make_eviction_policy
 from kvtier.index.residency import (
@@ -19,6 +19,7 @@ from kvtier.index.residency import (
     TIERS,
     Allocator,
     IdPool,
+    Ids,
     Node,
     TierLedger,
     slice_ids,
@@ -121,7 +122,7 @@ class Tree:
         return head
 
     # ---- residency transitions (keep counts and policy membership exact) -----------------
-    def _set(self, node: Node, t: int, value: Any) -> None:
+    def _set(self, node: Node, t: int, value: Ids) -> None:
         self.version += 1
         ledger = self.ledgers[t]
         node.res[t] = value
@@ -139,7 +140,7 @@ class Tree:
         if self.observer is not None:
             self.observer.stored(node, t)
 
-    def _unset(self, node: Node, t: int) -> Any:
+    def _unset(self, node: Node, t: int) -> Ids | None:
         self.version += 1
         ledger = self.ledgers[t]
         value = node.res[t]
@@ -212,6 +213,7 @@ class Tree:
     def _release(self, node: Node, t: int) -> int:
         """Unset tier ``t`` of a node without residents below it; free ids; delete if orphaned."""
         value = self._unset(node, t)
+        assert value is not None, f"{node!r} released from tier {t} that does not hold it"
         ledger = self.ledgers[t]
         if ledger.allocator is not None and value is not NO_IDS:
             ledger.allocator.free(list(value))

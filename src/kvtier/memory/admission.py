@@ -26,7 +26,6 @@ import threading
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any
 
 from kvtier.errors import ConfigError
 
@@ -156,7 +155,7 @@ class WriteAdmission:
     def _note_peak(self) -> None:
         self._peak = max(self._peak, self._admitted + self._occupied)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, object]:
         with self._lock:
             now = self._clock()
             oldest = min((c.since for c in self._charges.values()), default=None)

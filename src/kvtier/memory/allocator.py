@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
-from typing import Any
 
 from kvtier.errors import PoolExhausted
 
@@ -105,7 +104,7 @@ class PageAllocator:
                 assert 0 <= page < self._num_pages and not self._used[page], (
                     f"{self.name}: page {page} is both free and used")
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, object]:
         with self._lock:
             return {"num_pages": self._num_pages, "free": len(self._free),
                     "used": self._num_pages - len(self._free),

@@ -13,7 +13,6 @@ and write the bytes of ids they were handed, ordered by CUDA streams and events.
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import torch
 
@@ -115,7 +114,7 @@ class DevicePool:
         return self.kv.view(torch.uint8).view(lay.num_layers, lay.parts, self.num_pages,
                                               lay.part_bytes)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, object]:
         alloc = self.allocator.stats()
         return {"num_pages": self.num_pages, "page_bytes": self.layout.page_bytes,
                 "bytes": self.nbytes, "device": str(self.device), "free": alloc["free"],

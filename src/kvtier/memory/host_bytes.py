@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvtier.errors import CapacityError, ConfigError
 from kvtier.memory.pinned import PinnedBudget, PinnedLease
@@ -58,7 +58,7 @@ class HostBytes:
     """
 
     def __init__(self, tensor: torch.Tensor, nbytes: int, leases: tuple[PinnedLease, ...],
-                 method: str, backing: Any = None, registered_ptr: int = 0) -> None:
+                 method: str, backing: torch.Tensor | None = None, registered_ptr: int = 0) -> None:
         self.tensor: torch.Tensor | None = tensor  # None once closed
         self.nbytes = nbytes
         self.lease = leases[0]
@@ -155,7 +155,7 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def aligned_empty(nbytes: int) -> tuple[Any, Any]:
+def aligned_empty(nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A pageable uint8 buffer of ``nbytes`` starting on a 4 KiB boundary: (backing, view)."""
     import torch
 
@@ -213,7 +213,7 @@ def _empty_torch_host_cache() -> None:
             return
 
 
-def _torch_pinned(nbytes: int) -> Any:
+def _torch_pinned(nbytes: int) -> torch.Tensor:
     import torch
 
     try:

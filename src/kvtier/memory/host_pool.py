@@ -16,7 +16,7 @@ transfer layer read and write page bytes of ids they were handed. Nothing here b
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvtier.errors import ConfigError, LayoutMismatch, StoreClosed
 from kvtier.layout import KVLayout
@@ -163,7 +163,7 @@ class HostPool:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, object]:
         alloc = self.allocator.stats()
         return {"num_pages": self.num_pages, "page_bytes": self.page_bytes, "bytes": self.nbytes,
                 "host_layout": self.host_layout, "closed": self.closed,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any
 
 from kvtier.errors import ConfigError, PinnedBudgetExceeded
 
@@ -127,7 +126,7 @@ class PinnedBudget:
             ledger.bytes -= lease.nbytes
             ledger.leases -= 1
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, object]:
         """A snapshot: limit, held, peak, refusals, and bytes/leases/peak/refusals per owner."""
         with self._lock:
             owners = {name: {"bytes": o.bytes, "leases": o.leases, "peak_bytes": o.peak_bytes,

@@ -18,11 +18,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvtier.errors import StoreClosed
 from kvtier.memory.host_bytes import HOST_ALIGN_BYTES, HostBytes, aligned_empty, allocate_host_bytes
 from kvtier.memory.pinned import PinnedBudget
+
+if TYPE_CHECKING:
+    import torch
 
 
 class RingBuffer:
@@ -30,10 +33,10 @@ class RingBuffer:
 
     __slots__ = ("_ring", "slot", "tensor")
 
-    def __init__(self, ring: ReadRing, slot: int | None, tensor: Any) -> None:
+    def __init__(self, ring: ReadRing, slot: int | None, tensor: torch.Tensor) -> None:
         self._ring: ReadRing | None = ring
         self.slot = slot
-        self.tensor = tensor
+        self.tensor: torch.Tensor | None = tensor  # None once released
 
     @property
     def overflow(self) -> bool:
@@ -49,6 +52,11 @@ class RingBuffer:
         if ring is not None:
             ring._give_back(self)
         self.tensor = None
+
+
+def _held(buf: RingBuffer) -> torch.Tensor:
+    assert buf.tensor is not None, "a ring buffer used after its release"
+    return buf.tensor
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -129,20 +137,20 @@ class ReadRing:
         return taken
 
     @contextmanager
-    def borrow(self, nbytes: int | None = None) -> Iterator[Any]:
+    def borrow(self, nbytes: int | None = None) -> Iterator[torch.Tensor]:
         """``with ring.borrow() as buf:`` a uint8 tensor, returned when the block exits."""
         held = self.acquire(nbytes)
         try:
-            yield held.tensor
+            yield _held(held)
         finally:
             held.release()
 
     @contextmanager
-    def borrow_many(self, count: int, nbytes: int | None = None) -> Iterator[list[Any]]:
+    def borrow_many(self, count: int, nbytes: int | None = None) -> Iterator[list[torch.Tensor]]:
         """``with ring.borrow_many(n) as bufs:`` ``n`` uint8 tensors for one batched read."""
         held = self.acquire_many(count, nbytes)
         try:
-            yield [h.tensor for h in held]
+            yield [_held(h) for h in held]
         finally:
             for h in held:
                 h.release()
@@ -181,7 +189,7 @@ class ReadRing:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, object]:
         with self._lock:
             slots_out = 0 if self._host is None else self.slots - len(self._free)
             return {"slots": self.slots, "slot_bytes": self.page_bytes,

@@ -92,7 +92,7 @@ class AdminOps:
     async def storage(self) -> dict[str, Any]:
         def view() -> dict[str, Any]:
             admin = self.storage_admin()
-            host = admin.ctx.host_pool
+            host = admin.cache.host_pool
             return {"stores": admin.storage(),
                     "host": {"pages": host.num_pages if host else 0,
                              "bytes": host.num_pages * host.page_bytes if host else 0,

@@ -115,15 +115,15 @@ def tiers_summary(service: Any) -> str:
     prefix = service.prefix_cache
     if prefix is None:
         return "tiers: cache off (--no-cache), every prompt is computed"
-    ctx, store_config = prefix.tiered.ctx, service.config.store
-    device = ctx.device_pool
+    tiered, store_config = prefix.tiered, service.config.store
+    device = tiered.device_pool
     parts = [f"device {device.num_pages} pages "
              f"({_size(device.num_pages * device.layout.page_bytes)}, {service.lm.device})"]
-    host = ctx.host_pool
+    host = tiered.host_pool
     parts.append(f"host {host.num_pages} pages ({_size(host.nbytes)})" if host is not None
                  else "host off")
     for tier, url in (("disk", store_config.disk_url), ("remote", store_config.remote_url)):
-        store = ctx.stores.get(tier)
+        store = tiered.store(tier)
         if store is None:
             parts.append(f"{tier} off")
             continue

@@ -8,7 +8,7 @@ a ``from_url(url, page_bytes, options)`` classmethod. Called on whichever thread
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Protocol
 from urllib.parse import parse_qsl, urlsplit
 
 from kvtier.errors import ConfigError
@@ -23,17 +23,23 @@ BACKENDS: dict[str, str] = {
 }
 
 
-def open_store(url: str, *, page_bytes: int, **options: Any) -> PageStore:
+class StoreOpener(Protocol):
+    """What a backend class offers besides the ``PageStore`` contract: opening by URL."""
+
+    def from_url(self, url: str, page_bytes: int, options: dict[str, object]) -> PageStore: ...
+
+
+def open_store(url: str, *, page_bytes: int, **options: object) -> PageStore:
     """Open the store a URL names; query parameters and ``options`` (which win) configure it."""
     parts = urlsplit(url)
     if parts.scheme not in BACKENDS:
         raise ConfigError("store url", url, "a URL with scheme " + ", ".join(sorted(BACKENDS)))
     module_name, _, class_name = BACKENDS[parts.scheme].partition(":")
     try:
-        backend = getattr(importlib.import_module(module_name), class_name)
+        backend: StoreOpener = getattr(importlib.import_module(module_name), class_name)
     except ImportError as exc:
         raise ConfigError("store url", url, f"an installed backend ({exc})") from None
-    merged: dict[str, Any] = dict(parse_qsl(parts.query))
+    merged: dict[str, object] = dict(parse_qsl(parts.query))
     merged.update(options)
     return backend.from_url(url, page_bytes, merged)
 

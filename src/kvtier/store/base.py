@@ -19,7 +19,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from kvtier.errors import StoreClosed
 from kvtier.layout import ByteRange
@@ -44,7 +44,7 @@ class StoreStats:
     bytes_read: int = 0
     bytes_written: int = 0
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
@@ -100,6 +100,14 @@ def readable_view(buffer: Buffer, nbytes: int) -> memoryview:
     if view.nbytes != nbytes:
         raise ValueError(f"source buffer has {view.nbytes} bytes, a page has {nbytes}")
     return view
+
+
+@runtime_checkable
+class Resizable(Protocol):
+    """A store whose kvtier-side cap can change while it runs (``file://``, ``memory://``; a
+    Redis server's cap is its own ``maxmemory``). Returns what the resize did."""
+
+    def resize(self, max_bytes: int | None) -> dict[str, object]: ...
 
 
 class PageStore(ABC):

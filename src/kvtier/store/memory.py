@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import ClassVar
 from urllib.parse import urlsplit
 
 from kvtier.config import parse_size
@@ -46,7 +46,7 @@ class MemoryStore(PageStore):
             self._shelf = _Shelf()
 
     @classmethod
-    def from_url(cls, url: str, page_bytes: int, options: dict[str, Any]) -> MemoryStore:
+    def from_url(cls, url: str, page_bytes: int, options: dict[str, object]) -> MemoryStore:
         parts = urlsplit(url)
         max_bytes = options.pop("max_bytes", None)
         if isinstance(max_bytes, str):
@@ -54,6 +54,8 @@ class MemoryStore(PageStore):
             if parsed is None:
                 raise ConfigError("max_bytes", max_bytes, "a byte count such as 1GiB")
             max_bytes = parsed
+        if max_bytes is not None and not isinstance(max_bytes, int):
+            raise ConfigError("max_bytes", max_bytes, "a byte count such as 1GiB")
         if options:
             raise ConfigError("memory store options", sorted(options), "max_bytes")
         return cls(page_bytes, max_bytes=max_bytes, name=(parts.netloc + parts.path).strip("/"))
@@ -100,7 +102,7 @@ class MemoryStore(PageStore):
         with self._shelf.lock:
             return sum(self._shelf.pages.pop(bytes(k), None) is not None for k in keys)
 
-    def resize(self, max_bytes: int | None) -> dict[str, Any]:
+    def resize(self, max_bytes: int | None) -> dict[str, object]:
         """Set the byte cap now; a shrink evicts least recently used pages until the store fits
         (under the store's lock, so no read or write is ever cut short)."""
         if max_bytes is not None and max_bytes < self.page_bytes:

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TypeVar
 
 from kvtier.errors import StoreUnavailable
 from kvtier.layout import ByteRange
@@ -29,6 +29,8 @@ from kvtier.store.base import Buffer, PageStore, StoreCounters, StoreStats, writ
 OPS = ("read", "write", "contains", "delete")
 PER_PAGE_FAULTS = ("error", "refuse", "corrupt", "garble")
 CALL_FAULTS = ("hang", "raise")
+
+R = TypeVar("R", list[bool], int)
 
 
 class WrapperStore(PageStore):
@@ -356,7 +358,7 @@ class CountingStore(WrapperStore):
         with self._lock:
             return dict(self._counts)
 
-    def _timed(self, op: str, keys: Sequence[bytes], call: Callable[[], Any]) -> Any:
+    def _timed(self, op: str, keys: Sequence[bytes], call: Callable[[], R]) -> R:
         with self._lock:
             self._in_flight[op] += 1
             peak = max(self._counts[op].peak_in_flight, self._in_flight[op])
@@ -364,13 +366,13 @@ class CountingStore(WrapperStore):
             if self.record:
                 self.log.append((op, tuple(bytes(k) for k in keys)))
         start = time.perf_counter()
-        result: Any = None
+        result: list[bool] | int = 0
         try:
             result = call()
             return result
         finally:
             elapsed = time.perf_counter() - start
-            ok = sum(result) if isinstance(result, list) else int(result or 0)
+            ok = sum(result) if isinstance(result, list) else result
             with self._lock:
                 self._in_flight[op] -= 1
                 c = self._counts[op]

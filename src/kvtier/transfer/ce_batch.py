@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
@@ -54,7 +53,7 @@ class BatchCopy:
         self.copies += int(dsts.size)
 
 
-def _driver_copy(fn: Any) -> RawCopy:
+def _driver_copy(fn: Callable[..., int]) -> RawCopy:
     attrs = _MemcpyAttributes(_ORDER_STREAM, _MemLocation(0, 0), _MemLocation(0, 0), 0)
     attr_index = np.zeros(1, dtype=np.uint64)
 

@@ -36,13 +36,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvtier.errors import LayoutMismatch
 from kvtier.transfer.plan import (
     CopyPlan,
+    PageIds,
     PoolGeometry,
     device_geometry,
     host_geometry,
@@ -54,6 +55,9 @@ from kvtier.transfer.reference import reference_copy
 if TYPE_CHECKING:
     from kvtier.memory.device_pool import DevicePool
     from kvtier.memory.host_pool import HostPool
+    from kvtier.transfer.ce_batch import BatchCopy
+    from kvtier.transfer.kernels import KernelConfig
+    from kvtier.transfer.staged import StagedCopier
 
 #: Grid cap of layer-by-layer loads (when no ``load_config`` is given).
 LAYERWISE_LOAD_PROGRAMS = 16
@@ -69,7 +73,7 @@ class Ticket:
     __slots__ = ("_events", "_layer0", "direction", "nbytes", "num_pages")
 
     def __init__(self, direction: str, num_pages: int, nbytes: int,
-                 events: list[Any] | None = None, layer0: int = 0) -> None:
+                 events: list[torch.cuda.Event] | None = None, layer0: int = 0) -> None:
         self.direction = direction
         self.num_pages = num_pages
         self.nbytes = nbytes
@@ -78,7 +82,7 @@ class Ticket:
 
     def is_done(self) -> bool:
         """Whether every byte has landed (never blocks)."""
-        return all(event.query() for event in self._events[-1:])
+        return all(_landed(event) for event in self._events[-1:])
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait up to ``timeout`` seconds (None: no limit); True once done, False on timeout."""
@@ -91,7 +95,8 @@ class Ticket:
     def wait_layer(self, layer: int, timeout: float | None = None) -> bool:
         return self._poll(self._layer_event(layer), timeout)
 
-    def stream_wait(self, stream: Any = None, layer: int | None = None) -> None:
+    def stream_wait(self, stream: torch.cuda.Stream | None = None,
+                    layer: int | None = None) -> None:
         """Make ``stream`` (default: the current one) wait for this copy, or for one layer of a
         per-layer ticket, on the device; the calling thread does not wait."""
         events = self._events[-1:] if layer is None else self._layer_event(layer)
@@ -100,7 +105,7 @@ class Ticket:
         target = stream if stream is not None else torch.cuda.current_stream()
         target.wait_event(events[0])
 
-    def _layer_event(self, layer: int) -> list[Any]:
+    def _layer_event(self, layer: int) -> list[torch.cuda.Event]:
         if len(self._events) <= 1:
             return self._events
         index = layer - self._layer0
@@ -109,12 +114,12 @@ class Ticket:
         return [self._events[index]]
 
     @staticmethod
-    def _poll(events: list[Any], timeout: float | None) -> bool:
-        if not events or events[0].query():
+    def _poll(events: list[torch.cuda.Event], timeout: float | None) -> bool:
+        if not events or _landed(events[0]):
             return True
         deadline = None if timeout is None else time.monotonic() + timeout
         pause = _FIRST_POLL_S
-        while not events[0].query():
+        while not _landed(events[0]):
             if deadline is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -134,8 +139,9 @@ class CopyEngine:
 
     def __init__(self, device_pool: DevicePool, host_pool: HostPool, *,
                  use_kernels: bool | None = None,
-                 load_config: Any = None, store_config: Any = None, path: str = "kernel",
-                 staging_bytes: int = 64 << 20, batch_copy: Any = None) -> None:
+                 load_config: KernelConfig | None = None,
+                 store_config: KernelConfig | None = None, path: str = "kernel",
+                 staging_bytes: int = 64 << 20, batch_copy: BatchCopy | None = None) -> None:
         if device_pool.layout != host_pool.layout:
             raise LayoutMismatch(f"device pool {device_pool.layout.fingerprint()} vs host pool "
                                  f"{host_pool.layout.fingerprint()}")
@@ -148,7 +154,7 @@ class CopyEngine:
         on_cuda = self._device.type == "cuda"
         self._use_kernels = on_cuda if use_kernels is None else use_kernels
         self._configs = {"load": load_config, "store": store_config}
-        self._layerwise_config = None
+        self._layerwise_config: KernelConfig | None = None
         if on_cuda:
             from kvtier.transfer.kernels import KernelConfig
 
@@ -156,14 +162,15 @@ class CopyEngine:
         self._streams = ({direction: _stream(self._device) for direction in ("load", "store")}
                          if on_cuda else {})
         self._counts = {"load": [0, 0, 0], "store": [0, 0, 0]}  # batches, pages, bytes
-        self._staged: dict[str, Any] = {}
+        self._staged: dict[str, StagedCopier] = {}
         self.path_fallback = ""
         if path == "copy_engine":
             self._staged, self.path_fallback = self._stage(staging_bytes, batch_copy)
         elif path != "kernel":
             raise ValueError(f"copy path must be 'kernel' or 'copy_engine', got {path!r}")
 
-    def _stage(self, staging_bytes: int, batch_copy: Any) -> tuple[dict[str, Any], str]:
+    def _stage(self, staging_bytes: int,
+               batch_copy: BatchCopy | None) -> tuple[dict[str, StagedCopier], str]:
         """One ``StagedCopier`` per direction, or ({}, why not)."""
         from kvtier.transfer.ce_batch import load_batch_copy
         from kvtier.transfer.staged import StagedCopier
@@ -207,13 +214,13 @@ class CopyEngine:
         """Whether copies run on side streams and may still be in flight after a submit."""
         return bool(self._streams)
 
-    def load(self, host_ids: Any, device_ids: Any, layers: Layers = None) -> Ticket:
+    def load(self, host_ids: PageIds, device_ids: PageIds, layers: Layers = None) -> Ticket:
         """Copy pages ``host_ids[i]`` of the host pool to ``device_ids[i]`` of the device pool
         (all layers, or a contiguous ``layers`` range), in one launch."""
         plan = make_plan("load", self._host_geo, self._device_geo, host_ids, device_ids, layers)
         return self._submit(plan, [(plan.layer_start, plan.layer_count)])
 
-    def load_layerwise(self, host_ids: Any, device_ids: Any, layers: Layers = None) -> Ticket:
+    def load_layerwise(self, host_ids: PageIds, device_ids: PageIds, layers: Layers = None) -> Ticket:
         """Like ``load``, one launch and one event per layer, so the model can start on layer
         ``l`` once ``ticket.stream_wait(layer=l)`` is satisfied."""
         plan = make_plan("load", self._host_geo, self._device_geo, host_ids, device_ids, layers)
@@ -221,13 +228,13 @@ class CopyEngine:
         return self._submit(plan, [(layer, 1) for layer in range(start, start + count)],
                             self._configs["load"] or self._layerwise_config)
 
-    def store(self, device_ids: Any, host_ids: Any, layers: Layers = None) -> Ticket:
+    def store(self, device_ids: PageIds, host_ids: PageIds, layers: Layers = None) -> Ticket:
         """Copy pages ``device_ids[i]`` of the device pool to ``host_ids[i]`` of the host pool."""
         plan = make_plan("store", self._device_geo, self._host_geo, device_ids, host_ids, layers)
         return self._submit(plan, [(plan.layer_start, plan.layer_count)])
 
     def _submit(self, plan: CopyPlan, spans: list[tuple[int, int]],
-                config: Any = None) -> Ticket:
+                config: KernelConfig | None = None) -> Ticket:
         counts = self._counts[plan.direction]
         counts[0] += 1
         counts[1] += plan.num_pages
@@ -254,7 +261,7 @@ class CopyEngine:
                            self._host_pool.host_layout)
 
     def _launch_on_side_stream(self, plan: CopyPlan, spans: list[tuple[int, int]],
-                               config: Any) -> list[Any]:
+                               config: KernelConfig | None) -> list[torch.cuda.Event]:
         from kvtier.transfer.kernels import PreparedCopy
 
         stream = self._streams[plan.direction]
@@ -278,10 +285,10 @@ class CopyEngine:
                 events.append(event)
         return events
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, object]:
         """Batches, pages and bytes submitted per direction, and the path in use."""
         kind = "triton" if self._use_kernels else "torch_reference"
-        out: dict[str, Any] = {"path": "copy_engine" if self._staged else kind,
+        out: dict[str, object] = {"path": "copy_engine" if self._staged else kind,
                                "device": str(self._device), "staging_bytes": self.staging_bytes}
         if self.path_fallback:
             out["path_fallback"] = self.path_fallback
@@ -296,6 +303,10 @@ def _with_layers(plan: CopyPlan, start: int, count: int) -> CopyPlan:
     if (start, count) == (plan.layer_start, plan.layer_count):
         return plan
     return CopyPlan(plan.direction, plan.src, plan.dst, plan.src_ids, plan.dst_ids, start, count)
+
+
+def _landed(event: torch.cuda.Event) -> bool:
+    return bool(event.query())  # type: ignore[no-untyped-call]  # torch: untyped
 
 
 def _stream(device: torch.device) -> torch.cuda.Stream:

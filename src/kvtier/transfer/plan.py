@@ -15,12 +15,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias, cast
 
 import numpy as np
 
 from kvtier.errors import LayoutMismatch
 from kvtier.layout import KVLayout
+
+if TYPE_CHECKING:
+    import torch
+
+#: Page ids of a copy: a sequence of ints (list, range), a numpy array or a CPU tensor.
+PageIds: TypeAlias = "Sequence[int] | np.ndarray | torch.Tensor"
 
 HOST_LAYOUT_NAMES: tuple[str, ...] = ("page_first", "layer_first")
 DIRECTIONS: tuple[str, ...] = ("load", "store")
@@ -99,12 +105,13 @@ class CopyPlan:
         return np.stack([self.src_ids, self.dst_ids])
 
 
-def as_page_ids(ids: Any, what: str) -> np.ndarray:
+def as_page_ids(ids: PageIds, what: str) -> np.ndarray:
     """Page ids as a 1-D int64 array (from a list, range, numpy array or CPU tensor)."""
-    if hasattr(ids, "detach"):  # a torch tensor
-        if ids.device.type != "cpu":
-            raise ValueError(f"{what}: page ids must be on the CPU, got a {ids.device} tensor")
-        ids = ids.detach().numpy()
+    if hasattr(ids, "detach"):  # a torch tensor (this module does not import torch)
+        tensor = cast("torch.Tensor", ids)
+        if tensor.device.type != "cpu":
+            raise ValueError(f"{what}: page ids must be on the CPU, got a {tensor.device} tensor")
+        ids = tensor.detach().numpy()
     arr = np.asarray(ids)
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
@@ -162,7 +169,8 @@ def check_same_shape(src: PoolGeometry, dst: PoolGeometry) -> None:
             f"bytes, {dst.name} pool {dst.num_layers} x {dst.parts} of {dst.part_bytes}")
 
 
-def make_plan(direction: str, src: PoolGeometry, dst: PoolGeometry, src_ids: Any, dst_ids: Any,
+def make_plan(direction: str, src: PoolGeometry, dst: PoolGeometry, src_ids: PageIds,
+              dst_ids: PageIds,
               layers: int | Sequence[int] | range | None = None) -> CopyPlan:
     """Check a batch and return its plan; raises before anything moves."""
     if direction not in DIRECTIONS:

@@ -9,8 +9,6 @@ stream.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from kvtier.transfer.plan import CopyPlan
@@ -64,7 +62,7 @@ def _host_gather(host: torch.Tensor, host_layout: str, ids: torch.Tensor, l0: in
 
 
 def _host_scatter(host: torch.Tensor, host_layout: str, ids: torch.Tensor, l0: int, l1: int,
-                  parts: Any) -> None:
+                  parts: torch.Tensor) -> None:
     if host_layout == "page_first":
         host[ids, l0:l1] = parts.permute(2, 0, 1, 3)
     else:

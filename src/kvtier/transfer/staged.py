@@ -21,7 +21,7 @@ thread that submits copies (the engine thread).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -29,13 +29,16 @@ import torch
 from kvtier.transfer.ce_batch import BatchCopy
 from kvtier.transfer.plan import CopyPlan, PoolGeometry
 
+if TYPE_CHECKING:
+    from kvtier.transfer.kernels import KernelConfig
+
 
 class StagedCopier:
     """One direction's copies between a device pool and a ``page_first`` host pool through a
     staging buffer (a flat uint8 tensor on the device pool's device)."""
 
     def __init__(self, device_kv: torch.Tensor, host_buffer: torch.Tensor, host_geo: PoolGeometry,
-                 staging: torch.Tensor, batch: BatchCopy, kernel_config: Any = None) -> None:
+                 staging: torch.Tensor, batch: BatchCopy, kernel_config: KernelConfig | None = None) -> None:
         if host_geo.layer_stride != host_geo.parts * host_geo.part_bytes \
                 or host_geo.part_stride != host_geo.part_bytes:
             raise ValueError("the copy-engine path needs the page_first host layout")

@@ -255,3 +255,16 @@ def test_success_resets_the_failure_count() -> None:
     breaker.record_failure()
     breaker.record_success()
     assert not breaker.record_failure() and not breaker.is_open
+
+
+@pytest.mark.parametrize("reply", [b"*2\r\n:0\r\n*0\r\n", b"*2\r\n$1\r\n0\r\n:5\r\n"])
+def test_a_scan_reply_of_the_wrong_shape_is_a_server_error(reply: bytes) -> None:
+    from kvtier.store.redis.ops import server_info
+
+    info = b"$%d\r\n%s\r\n" % (len(b"used_memory:1"), b"used_memory:1")
+    left, right = socket.socketpair()
+    with left, right:
+        left.sendall(info + info + reply)
+        work = server_info(b"kv*")
+        with pytest.raises(ServerError):
+            work(Channel(right, Deadline(5)), ReplyReader(Channel(right, Deadline(5))))

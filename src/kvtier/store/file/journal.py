@@ -70,7 +70,8 @@ class Entry(NamedTuple):
 
 
 def _checksum(body: bytes) -> int:
-    return sum(w * x for w, x in zip(_WEIGHTS, _WORDS.unpack(body), strict=True)) & 0xFFFFFFFF
+    words: tuple[int, ...] = _WORDS.unpack(body)
+    return sum(w * x for w, x in zip(_WEIGHTS, words, strict=True)) & 0xFFFFFFFF
 
 
 def encode_entry(entry: Entry) -> bytes:
@@ -185,7 +186,7 @@ class Journal:
 
     def _apply_all(self, data: bytes, apply: Apply) -> int | None:
         if self.apply_rows is not None and len(data) >= _BULK_ENTRIES * ENTRY_BYTES:
-            return self._apply_bulk(data, apply)
+            return self._apply_bulk(data, apply, self.apply_rows)
         for entry in decode_entries(data):
             self.entries += 1
             if entry is None:
@@ -196,7 +197,8 @@ class Journal:
                 apply(entry)
         return None
 
-    def _apply_bulk(self, data: bytes, apply: Apply) -> int | None:
+    def _apply_bulk(self, data: bytes, apply: Apply,
+                    apply_rows: Callable[[np.ndarray], None]) -> int | None:
         """``_apply_all`` for long runs: checksums at once, then runs of puts as rows."""
         entries = np.frombuffer(data, _ENTRY_DTYPE, count=len(data) // ENTRY_BYTES)
         words = np.frombuffer(data, "<u4", count=len(entries) * 16).reshape(-1, 16)
@@ -205,7 +207,7 @@ class Journal:
         start = 0
         for i in [*np.flatnonzero(~good | (entries["op"] != OP_PUT)).tolist(), len(entries)]:
             if i > start:
-                self.apply_rows(_rows(entries[start:i]))
+                apply_rows(_rows(entries[start:i]))
             self.entries += i - start
             if i == len(entries):
                 return None
@@ -313,8 +315,11 @@ class Journal:
                 self.tail(apply)
                 if fd != self.fd:
                     continue  # a seal moved us on: lock the current generation
-                return self._remove_generations(
-                    lambda gen, current=self.gen: gen < current - 1 or gen > current)
+
+                def stale(gen: int, current: int = self.gen) -> bool:
+                    return gen < current - 1 or gen > current
+
+                return self._remove_generations(stale)
 
     def index_bytes(self) -> int:
         """Bytes the index files take on disk (every journal and snapshot generation)."""

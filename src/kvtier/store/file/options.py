@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, SupportsIndex, SupportsInt
 from urllib.parse import unquote, urlsplit
 
 from kvtier.config import parse_size
@@ -50,7 +50,7 @@ class FileStoreOptions:
     max_open_files: int = 256          # read descriptors kept open per store handle
 
     @classmethod
-    def parse(cls, options: dict[str, Any]) -> FileStoreOptions:
+    def parse(cls, options: dict[str, object]) -> FileStoreOptions:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:
@@ -61,7 +61,7 @@ class FileStoreOptions:
         return cls(**values)
 
 
-def _parse_one(name: str, raw: Any) -> Any:
+def _parse_one(name: str, raw: object) -> object:
     if name in ("max_bytes", "min_free_bytes", "segment_bytes"):
         if raw is None and name == "max_bytes":
             return None
@@ -81,6 +81,8 @@ def _parse_one(name: str, raw: Any) -> Any:
             raise ConfigError(name, raw, "full or header")
         return raw
     try:
+        if not isinstance(raw, (str, bytes, SupportsInt, SupportsIndex)):
+            raise TypeError(type(raw).__name__)
         value = int(raw)
     except (TypeError, ValueError):
         value = 0

@@ -20,7 +20,7 @@ import mmap
 import os
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import xxhash
 
@@ -28,6 +28,9 @@ from kvtier.layout import ByteRange
 from kvtier.store.file.index import SLOT_BITS, SLOT_MASK
 from kvtier.store.file.segment import RecordLayout
 from kvtier.store.record import Verdict
+
+if TYPE_CHECKING:
+    from kvtier.store.file.segment_files import Slot
 
 #: Above this share of a page, a partial read reads the whole page instead.
 PARTIAL_READ_LIMIT = 0.75
@@ -306,7 +309,7 @@ def _runs(locs: Sequence[int | None], fds: dict[int, int | None],
     return runs
 
 
-def slot_runs(slots: Sequence[Any], max_run: int) -> list[tuple[int, int]]:
+def slot_runs(slots: Sequence[Slot], max_run: int) -> list[tuple[int, int]]:
     """Spans ``[first, last)`` of reserved slots (``segment_files.Slot``) that are consecutive
     in one segment, ``max_run`` at most."""
     runs: list[tuple[int, int]] = []

@@ -204,7 +204,7 @@ class RecordLayout:
                          for a in range(0, self.page_bytes, self.chunk_bytes)) if self.chunks else b""
         return encode_header(key, payload, flags=self.place(slot)) + table
 
-    def verify(self, prefix: memoryview | bytes, slot: int, key: bytes, payload: memoryview,
+    def verify(self, prefix: memoryview | bytes | bytearray, slot: int, key: bytes, payload: memoryview,
                check_payload: bool = True) -> Verdict:
         """Check a record read back from slot ``slot``: header intact, right key, place and
         length, payload checksum (skipped when ``check_payload`` is False: header-only
@@ -252,12 +252,14 @@ class RecordLayout:
         if digests is not None:
             ok &= rows["digest"] == np.frombuffer(digests.tobytes(), "V8")
         ok &= _crcs_hold(rows["header"].tobytes(), count)
-        return ok.tolist()
+        verdicts: list[bool] = ok.tolist()
+        return verdicts
 
-    def chunk_digest(self, prefix: memoryview | bytes, chunk: int) -> int:
+    def chunk_digest(self, prefix: memoryview | bytes | bytearray, chunk: int) -> int:
         """The stored checksum of chunk ``chunk`` (pages with a chunk table only)."""
         start = HEADER_BYTES + 8 * chunk
-        return struct.unpack("<Q", prefix[start:start + 8])[0]
+        digest: int = struct.unpack_from("<Q", prefix, start)[0]
+        return digest
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,10 +1,10 @@
 """What a ``file://`` store handle offers its evictor: ``SegmentSite``, the ``evict.Site``
 operations over the handle's own index, journal, descriptors and writer.
 
-A mixin of ``FileStore`` (it uses the store's index and its lock, the segment readers and
-writer, record IO and ``publish``), kept apart so that the evictor sees these few operations
-and nothing else. Called on the thread that evicts (an IO worker whose write needed room, or
-the thread that opened the store), beside the other IO workers.
+A view of one ``FileStore`` (it uses the store's index and its lock, the segment readers and
+writer, record IO and ``publish``), held by the store's ``Evictor``, so that the evictor sees
+these few operations and nothing else. Called on the thread that evicts (an IO worker whose
+write needed room, or the thread that opened the store), beside the other IO workers.
 """
 
 from __future__ import annotations
@@ -29,39 +29,45 @@ REINSERT_BATCH = 16
 
 
 class SegmentSite:
-    """``evict.Site`` for ``FileStore`` (mixed into it)."""
+    """``evict.Site`` over one ``FileStore``."""
 
-    def capacity(self: FileStore) -> tuple[int | None, int]:
-        return self.options.max_bytes, self.options.min_free_bytes
+    def __init__(self, store: FileStore) -> None:
+        self.store = store
+        self.root = store.root
+        self.counters = store.counters
 
-    def used_bytes(self: FileStore) -> int:
-        return self.index.used_slots() * self.layout.record_bytes
+    def capacity(self) -> tuple[int | None, int]:
+        return self.store.options.max_bytes, self.store.options.min_free_bytes
+
+    def used_bytes(self) -> int:
+        return self.store.index.used_slots() * self.store.layout.record_bytes
 
     @property
-    def record_bytes(self: FileStore) -> int:
-        return self.layout.record_bytes
+    def record_bytes(self) -> int:
+        return self.store.layout.record_bytes
 
     @property
-    def reinsert_limit(self: FileStore) -> int:
-        return self.layout.slots // 2
+    def reinsert_limit(self) -> int:
+        return self.store.layout.slots // 2
 
-    def catch_up(self: FileStore) -> None:
-        self.refresh()
+    def catch_up(self) -> None:
+        self.store.refresh()
 
-    def oldest_segments(self: FileStore) -> list[int]:
-        with self._lock:
-            return self.index.oldest_segments()
+    def oldest_segments(self) -> list[int]:
+        with self.store.index_lock:
+            return self.store.index.oldest_segments()
 
-    def in_use(self: FileStore, seg: int) -> bool:
-        return seg in self.writer.active_ids() or owned_by_a_writer(self.segments_dir, seg)
+    def in_use(self, seg: int) -> bool:
+        store = self.store
+        return seg in store.writer.active_ids() or owned_by_a_writer(store.segments_dir, seg)
 
-    def live_pages(self: FileStore, seg: int) -> tuple[int, list[bytes]]:
-        with self._lock:
-            live = self.index.live_keys(seg)
-            return len(live), [k for k in live if k in self.index.hot]
+    def live_pages(self, seg: int) -> tuple[int, list[bytes]]:
+        with self.store.index_lock:
+            live = self.store.index.live_keys(seg)
+            return len(live), [k for k in live if k in self.store.index.hot]
 
-    def copy_forward(self: FileStore, seg: int, keys: list[bytes]) -> int:
-        fd = self.readers.pin(seg)
+    def copy_forward(self, seg: int, keys: list[bytes]) -> int:
+        fd = self.store.readers.pin(seg)
         if fd is None:
             return 0
         kept = 0
@@ -69,46 +75,46 @@ class SegmentSite:
             for start in range(0, len(keys), REINSERT_BATCH):
                 pages, good = [], []
                 for key in keys[start:start + REINSERT_BATCH]:
-                    with self._lock:
-                        loc = self.index.where.get(key)
+                    with self.store.index_lock:
+                        loc = self.store.index.where.get(key)
                     if loc is None or split(loc)[0] != seg:
                         continue  # overwritten or deleted meanwhile
-                    page = memoryview(bytearray(self.page_bytes))
+                    page = memoryview(bytearray(self.store.page_bytes))
                     try:
-                        if self.io.read(fd, split(loc)[1], key, page) is Verdict.OK:
+                        if self.store.io.read(fd, split(loc)[1], key, page) is Verdict.OK:
                             pages.append(page)
                             good.append(key)
                     except OSError:
                         continue
                 if good:
-                    kept += sum(self.write_records(good, pages))
+                    kept += sum(self.store.write_records(good, pages))
         finally:
-            self.readers.unpin(seg)
+            self.store.readers.unpin(seg)
         return kept
 
-    def remove_segment(self: FileStore, seg: int) -> bool:
+    def remove_segment(self, seg: int) -> bool:
         # Unlink first: on a full disk the journal append may fail, and the space must come
         # back anyway. A process that still maps keys to the file then reads misses.
         try:
-            segment_path(self.segments_dir, seg).unlink(missing_ok=True)
+            segment_path(self.store.segments_dir, seg).unlink(missing_ok=True)
         except OSError as exc:  # not a file we may remove: it stays, and so do its pages
             log.warning("file store %s: cannot evict segment %d: %s", self.root, seg, exc)
             self.counters.add(errors=1)
             return False
         try:
-            self.publish([Entry(OP_EVICT, seg)])
+            self.store.publish([Entry(OP_EVICT, seg)])
         except OSError:
             self.counters.add(errors=1)
-            with self._lock:
-                self.index.drop_segment(seg)
+            with self.store.index_lock:
+                self.store.index.drop_segment(seg)
         return True
 
-    def segments_without_live_pages(self: FileStore) -> list[int]:
-        with self._lock:
-            return self.index.segments_without_live_pages()
+    def segments_without_live_pages(self) -> list[int]:
+        with self.store.index_lock:
+            return self.store.index.segments_without_live_pages()
 
-    def segment_mtime(self: FileStore, seg: int) -> float | None:
+    def segment_mtime(self, seg: int) -> float | None:
         try:
-            return os.stat(segment_path(self.segments_dir, seg)).st_mtime
+            return os.stat(segment_path(self.store.segments_dir, seg)).st_mtime
         except FileNotFoundError:
             return None

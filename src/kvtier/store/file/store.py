@@ -6,7 +6,7 @@ records) and verifies every one, appends writes to this process's own segment, a
 them through the shared journal (``journal``) only once their bytes are complete. Several
 processes may open one directory at once: each appends to its own segments, and every process
 sees the others' pages as soon as it next touches the store (one ``fstat`` of the journal per
-call). Eviction lives in ``evict`` (acting through ``site``, the operations it is offered);
+call). Eviction lives in ``evict`` (acting through a ``site.SegmentSite`` over this handle);
 record IO in ``record_io``; the layout in ``segment``. No background threads: the IO worker
 threads that call the store do all the work, so nothing can die silently.
 
@@ -34,7 +34,6 @@ import time
 from collections.abc import Callable, Sequence
 from itertools import compress
 from pathlib import Path
-from typing import Any
 
 from kvtier.errors import ConfigError, StoreUnavailable
 from kvtier.keys import KEY_BYTES
@@ -53,18 +52,23 @@ from kvtier.store.file.journal import OP_DELETE, OP_PUT, OP_SEGMENT, Entry, Jour
 from kvtier.store.file.options import FileStoreOptions, file_url_path
 from kvtier.store.file.record_io import RecordIO, plans_of, slot_runs
 from kvtier.store.file.segment import list_segments, load_or_create_manifest
-from kvtier.store.file.segment_files import SegmentReaders, SegmentWriter
+from kvtier.store.file.segment_files import SegmentReaders, SegmentWriter, Slot
 from kvtier.store.file.site import SegmentSite
 from kvtier.store.record import Verdict
 
 log = logging.getLogger(__name__)
+
+#: Reads pinned records into views: (locations, descriptors, keys, views) -> (found per key,
+#: corrupt records, IO errors); ``RecordIO.read_many`` or a per-record variant.
+Reader = Callable[[list[int | None], dict[int, int | None], Sequence[bytes], list[memoryview]],
+                  tuple[list[bool], int, int]]
 
 #: Compact the journal once it holds this many entries more than ``COMPACT_FACTOR`` x live pages.
 COMPACT_MIN_ENTRIES = 65536
 COMPACT_FACTOR = 4
 
 
-class FileStore(SegmentSite, PageStore):
+class FileStore(PageStore):
     """Pages in segment files under one directory, shared safely between processes."""
 
     scheme = "file"
@@ -94,7 +98,7 @@ class FileStore(SegmentSite, PageStore):
         self.writer = SegmentWriter(self.segments_dir, self.layout,
                                     new_id=self.new_segment_id,
                                     direct=self.options.direct)
-        self.evictor = Evictor(self)
+        self.evictor = Evictor(SegmentSite(self))
         try:
             self.open_seconds = self._load()
             self.evictor.clean_leftovers()
@@ -103,7 +107,7 @@ class FileStore(SegmentSite, PageStore):
             raise StoreUnavailable(f"cannot load the index of {self.root}: {exc}") from None
 
     @classmethod
-    def from_url(cls, url: str, page_bytes: int, options: dict[str, Any]) -> FileStore:
+    def from_url(cls, url: str, page_bytes: int, options: dict[str, object]) -> FileStore:
         return cls(file_url_path(url), page_bytes, FileStoreOptions.parse(options))
 
     def _load(self) -> float:
@@ -130,6 +134,11 @@ class FileStore(SegmentSite, PageStore):
                 self.index.drop_segment(seg)  # unlinked by an eviction that did not journal
             self.index.note_segment_files(on_disk, self.layout.segment_slots_in)
         return time.perf_counter() - start
+
+    @property
+    def index_lock(self) -> threading.Lock:
+        """The lock that guards the index and the journal handle (the evictor's site takes it)."""
+        return self._lock
 
     # ---- index upkeep --------------------------------------------------------------------
     def refresh(self) -> None:
@@ -191,7 +200,7 @@ class FileStore(SegmentSite, PageStore):
         return self._read(keys, views, lambda locs, fds, ks, vs: self.io.each(
             plans_of(locs, fds), ks, vs, one))
 
-    def _read(self, keys: Sequence[bytes], views: list[memoryview], reader: Any) -> list[bool]:
+    def _read(self, keys: Sequence[bytes], views: list[memoryview], reader: Reader) -> list[bool]:
         self.refresh()
         locs, fds = self._pin(keys)
         try:
@@ -266,7 +275,7 @@ class FileStore(SegmentSite, PageStore):
         self.counters.add(refused=len(keys) - ok, errors=errors, bytes_written=ok * self.page_bytes)
         return results
 
-    def _publish_puts(self, keys: list[bytes], slots: list[Any], done: list[int],
+    def _publish_puts(self, keys: list[bytes], slots: list[Slot], done: list[int],
                       results: list[bool]) -> int:
         try:
             if self.options.fsync:
@@ -307,7 +316,7 @@ class FileStore(SegmentSite, PageStore):
         return StoreStats(backend=self.scheme, pages=pages, bytes=pages * self.page_bytes,
                           capacity_bytes=self.options.max_bytes, **self.counters.snapshot())
 
-    def resize(self, max_bytes: int | None, wait_s: float = 5.0) -> dict[str, Any]:
+    def resize(self, max_bytes: int | None, wait_s: float = 5.0) -> dict[str, object]:
         """Set the cap on segment bytes now; a shrink evicts oldest segments (no reinsertion)
         until the store fits, and returns when it does or ``wait_s`` ran out. Never a victim:
         a segment being appended to (the current ones are sealed, and go once their writes
@@ -342,7 +351,7 @@ class FileStore(SegmentSite, PageStore):
         self.evictor.gc(0)
         return removed
 
-    def disk_usage(self) -> dict[str, Any]:
+    def disk_usage(self) -> dict[str, float]:
         """Space on disk: segment bytes (live and dead records), filesystem free bytes."""
         self.refresh()
         with self._lock:

@@ -108,7 +108,7 @@ class ClusterRouter:
         self._client.close()
 
 
-def _client_kwargs(opts: RedisOptions) -> dict[str, Any]:
+def _client_kwargs(opts: RedisOptions) -> dict[str, object]:
     from redis.backoff import NoBackoff
     from redis.connection import Connection
     from redis.retry import Retry
@@ -123,7 +123,8 @@ def _client_kwargs(opts: RedisOptions) -> dict[str, Any]:
         "retry": Retry(NoBackoff(), 0), "health_check_interval": 0}
     # No CLIENT SETINFO round trips on connect (the keyword changed across redis-py versions).
     try:
-        Connection(driver_info=None)  # builds the object only; connects on first use
+        build: Callable[..., object] = Connection  # redis-py leaves its __init__ untyped
+        build(driver_info=None)  # builds the object only; connects on first use
         kwargs["driver_info"] = None
     except TypeError:
         kwargs.update(lib_name=None, lib_version=None)

@@ -11,22 +11,24 @@ thread that called the store.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from kvtier.store.redis.channel import Channel
-from kvtier.store.redis.endpoint import UNAVAILABLE_KINDS
+from kvtier.store.redis.endpoint import UNAVAILABLE_KINDS, Work
 from kvtier.store.redis.pages import read_pages
-from kvtier.store.redis.wire import ReplyReader, ServerError, pack, pack_key_command
+from kvtier.store.redis.wire import Reply, ReplyReader, ServerError, pack, pack_key_command
+
+#: A server's ``INFO`` fields, numbers where they parse as numbers.
+Info = dict[str, int | float | str]
 
 
-def _raise_unavailable(replies: Sequence[Any]) -> None:
+def _raise_unavailable(replies: Sequence[Reply]) -> None:
     for reply in replies:
         if isinstance(reply, ServerError) and reply.kind in UNAVAILABLE_KINDS:
             raise reply
 
 
 def get_pages(rkeys: Sequence[bytes], views: Sequence[memoryview], header_bytes: int,
-              pages_per_trip: int) -> Any:
+              pages_per_trip: int) -> Work[list[Reply]]:
     """GET each key into its view; replies: header bytes, None (nil), int (wrong size), error."""
     chunks = [(start, min(start + pages_per_trip, len(rkeys)))
               for start in range(0, len(rkeys), pages_per_trip)]
@@ -35,8 +37,8 @@ def get_pages(rkeys: Sequence[bytes], views: Sequence[memoryview], header_bytes:
         start, end = chunk
         channel.send([pack_key_command(b"GET", rkeys[start:end])])
 
-    def work(channel: Channel, reader: ReplyReader) -> list[Any]:
-        replies: list[Any] = []
+    def work(channel: Channel, reader: ReplyReader) -> list[Reply]:
+        replies: list[Reply] = []
         send(channel, chunks[0])
         for n, (start, end) in enumerate(chunks):
             if n + 1 < len(chunks):
@@ -49,12 +51,12 @@ def get_pages(rkeys: Sequence[bytes], views: Sequence[memoryview], header_bytes:
 
 
 def set_pages(rkeys: Sequence[bytes], headers: Sequence[bytes], payloads: Sequence[memoryview],
-              ttl_s: int) -> Any:
+              ttl_s: int) -> Work[list[Reply]]:
     """SET each key to header + payload (with EX when ``ttl_s``), sent without joining them."""
     expiry = pack(b"EX", b"%d" % ttl_s)[4:] if ttl_s else b""  # the two bulk args, no array head
     argc = 5 if ttl_s else 3
 
-    def work(channel: Channel, reader: ReplyReader) -> list[Any]:
+    def work(channel: Channel, reader: ReplyReader) -> list[Reply]:
         pieces: list[bytes | memoryview] = []
         tail = b""  # the end of the previous command, sent with the start of this one
         for rkey, header, payload in zip(rkeys, headers, payloads, strict=True):
@@ -72,10 +74,10 @@ def set_pages(rkeys: Sequence[bytes], headers: Sequence[bytes], payloads: Sequen
     return work
 
 
-def per_key(command: bytes, rkeys: Sequence[bytes]) -> Any:
+def per_key(command: bytes, rkeys: Sequence[bytes]) -> Work[list[Reply]]:
     """``command key`` for each key (EXISTS, DEL), pipelined; replies are 0 / 1 or errors."""
 
-    def work(channel: Channel, reader: ReplyReader) -> list[Any]:
+    def work(channel: Channel, reader: ReplyReader) -> list[Reply]:
         channel.send([pack_key_command(command, rkeys)])
         replies = reader.small_ints(len(rkeys))
         _raise_unavailable(replies)
@@ -84,12 +86,12 @@ def per_key(command: bytes, rkeys: Sequence[bytes]) -> Any:
     return work
 
 
-def server_info(match: bytes | None) -> Any:
+def server_info(match: bytes | None) -> Work[Info]:
     """INFO memory and stats, and the key count: DBSIZE, or SCAN ``match`` (exact, slower)."""
 
-    def work(channel: Channel, reader: ReplyReader) -> dict[str, Any]:
+    def work(channel: Channel, reader: ReplyReader) -> Info:
         channel.send([pack(b"INFO", b"memory") + pack(b"INFO", b"stats")])
-        info: dict[str, Any] = {}
+        info: Info = {}
         for _ in range(2):
             reply = reader.simple()
             if isinstance(reply, ServerError):
@@ -114,15 +116,18 @@ def _count_keys(channel: Channel, reader: ReplyReader, match: bytes | None) -> i
         reply = reader.simple()
         if isinstance(reply, ServerError) or not isinstance(reply, list):
             raise ServerError(str(reply))
-        cursor, keys = reply
+        next_cursor, keys = reply
+        if not isinstance(next_cursor, bytes) or not isinstance(keys, list):
+            raise ServerError(str(reply))
+        cursor = next_cursor
         count += len(keys)
         if cursor == b"0":
             return count
 
 
-def parse_info(text: Any) -> dict[str, Any]:
+def parse_info(text: Reply) -> Info:
     """``INFO`` text as {field: int | float | str}."""
-    out: dict[str, Any] = {}
+    out: Info = {}
     raw = text.decode(errors="replace") if isinstance(text, bytes) else str(text)
     for line in raw.splitlines():
         if not line or line.startswith("#") or ":" not in line:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, SupportsFloat, SupportsIndex
 from urllib.parse import urlencode, urlsplit, urlunsplit
 
 from kvtier.config import parse_size
@@ -55,7 +55,7 @@ class RedisOptions:
         return self.connect_timeout_s if self.connect_timeout_s > 0 else self.timeout_s
 
 
-def _coerce(name: str, kind: type, raw: Any) -> Any:
+def _coerce(name: str, kind: type, raw: object) -> object:
     if kind is bool:
         if isinstance(raw, bool):
             return raw
@@ -72,6 +72,8 @@ def _coerce(name: str, kind: type, raw: Any) -> Any:
         return int(value)
     if kind is float:
         try:
+            if not isinstance(raw, (str, bytes, SupportsFloat, SupportsIndex)):
+                raise TypeError(type(raw).__name__)
             return float(raw)
         except (TypeError, ValueError):
             raise ConfigError(name, raw, "a number") from None
@@ -99,7 +101,7 @@ def _check(opts: RedisOptions) -> RedisOptions:
     return opts
 
 
-def parse_redis_url(url: str, options: dict[str, Any]) -> tuple[str, RedisOptions]:
+def parse_redis_url(url: str, options: dict[str, object]) -> tuple[str, RedisOptions]:
     """(URL for redis-py, kvtier options) from a store URL and the merged query/keyword options."""
     parts = urlsplit(url)
     if parts.scheme not in ("redis", "rediss"):

@@ -18,18 +18,17 @@ caller disconnects it).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from kvtier.store.redis.channel import MAX_VIEWS
-from kvtier.store.redis.wire import ProtocolError, ReplyReader
+from kvtier.store.redis.wire import ProtocolError, Reply, ReplyReader
 
 _CRLF = b"\r\n"
 
 
-def read_pages(reader: ReplyReader, header_bytes: int, dests: Sequence[memoryview]) -> list[Any]:
+def read_pages(reader: ReplyReader, header_bytes: int, dests: Sequence[memoryview]) -> list[Reply]:
     """One GET reply per buffer of ``dests`` (all of one size): the record header (payload in
     the buffer), ``None`` (nil), the length of a value of another size, or a ``ServerError``."""
-    replies: list[Any] = []
+    replies: list[Reply] = []
     done, count = 0, len(dests)
     scatters = reader.channel.scatters
     while done < count:

@@ -22,7 +22,7 @@ import logging
 import threading
 from binascii import hexlify
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from kvtier.config import redact_url
@@ -31,12 +31,14 @@ from kvtier.keys import KEY_BYTES
 from kvtier.store.base import Buffer, PageStore, StoreCounters, StoreStats, readable_view, writable_view
 from kvtier.store.record import HEADER_BYTES
 from kvtier.store.redis.channel import Deadline
-from kvtier.store.redis.endpoint import MOVED_KINDS, Endpoint, EndpointDown
-from kvtier.store.redis.nodes import open_router
-from kvtier.store.redis.ops import get_pages, glob_escape, per_key, server_info, set_pages
+from kvtier.store.redis.endpoint import MOVED_KINDS, Endpoint, EndpointDown, Work
+from kvtier.store.redis.nodes import ClusterRouter, StandaloneRouter, open_router
+from kvtier.store.redis.ops import Info, get_pages, glob_escape, per_key, server_info, set_pages
 from kvtier.store.redis.options import RedisOptions, parse_redis_url
 from kvtier.store.redis.verify import PageJudge, Verdicts
 from kvtier.store.redis.wire import ServerError
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +88,8 @@ class EvictionTally:
 class RedisStore(PageStore):
     scheme = "redis"
 
-    def __init__(self, page_bytes: int, router: Any, options: RedisOptions, *,
+    def __init__(self, page_bytes: int, router: StandaloneRouter | ClusterRouter,
+                 options: RedisOptions, *,
                  display_url: str = "redis://", scheme: str = "redis") -> None:
         super().__init__(page_bytes)
         self.scheme = scheme
@@ -100,7 +103,7 @@ class RedisStore(PageStore):
         self._judge = PageJudge(page_bytes)
 
     @classmethod
-    def from_url(cls, url: str, page_bytes: int, options: dict[str, Any]) -> RedisStore:
+    def from_url(cls, url: str, page_bytes: int, options: dict[str, object]) -> RedisStore:
         client_url, opts = parse_redis_url(url, dict(options))
         shown = redact_url(url)
         try:
@@ -151,7 +154,7 @@ class RedisStore(PageStore):
         log.warning("%s unreachable at open (%s); pages miss until it answers", where, exc)
 
     @staticmethod
-    def _warn_about_eviction_setup(name: str, info: dict[str, Any]) -> None:
+    def _warn_about_eviction_setup(name: str, info: Info) -> None:
         policy = info.get("maxmemory_policy", "")
         if not info.get("maxmemory"):
             log.warning("redis %s has no maxmemory: set maxmemory and maxmemory-policy "
@@ -167,7 +170,7 @@ class RedisStore(PageStore):
         prefix = self._prefix
         return [prefix + hexlify(key) for key in keys]
 
-    def _run(self, endpoint: Endpoint | None, work: Any, deadline: Deadline) -> Any:
+    def _run(self, endpoint: Endpoint | None, work: Work[T], deadline: Deadline) -> T | None:
         """The work's replies, or None when the server failed (an outage, counted by callers)."""
         if endpoint is None:
             return None

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
-from typing import Any
 
 import xxhash
 
 from kvtier.keys import KEY_BYTES
 from kvtier.store.record import HEADER_BYTES, encode_header, payload_checksum
 from kvtier.store.redis.endpoint import MOVED_KINDS
-from kvtier.store.redis.wire import ServerError
+from kvtier.store.redis.wire import Reply, ServerError
 
 _CRC_BYTES = 4
 _CHECKSUM_BYTES = 8
@@ -64,7 +63,7 @@ class PageJudge:
             return self._quick(bytes(key), xxhash.xxh3_64_intdigest(payload))
         return encode_header(key, payload, payload_checksum(payload))
 
-    def judge(self, keys: Sequence[bytes], replies: Sequence[Any],
+    def judge(self, keys: Sequence[bytes], replies: Sequence[Reply],
               views: Sequence[memoryview], out: Verdicts, where: Sequence[int]) -> None:
         """Record in ``out`` the verdict on ``replies[j]`` for page ``where[j]`` (a reply is
         the header, ``None`` for nil, an int for a value of another size, or an error)."""

@@ -20,11 +20,15 @@ the IO worker thread that called the store; one connection is used by one thread
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 from kvtier.store.redis.channel import Channel
 
 MISS = None  # a nil bulk reply
+
+#: One reply as ``ReplyReader`` parses it: a status line (str), an integer, an error, a bulk
+#: string (bytes, or a page's header), ``MISS`` (nil) or an array of replies.
+Reply: TypeAlias = "str | int | bytes | ServerError | None | list[Reply]"
 _CRLF = b"\r\n"
 _MAX_LINE = 64 << 10         # longest reply line accepted
 _SCRATCH_BYTES = 64 << 10    # receive buffer for reply lines, headers and skipped values
@@ -171,7 +175,7 @@ class ReplyReader:
             raise ProtocolError(f"{len(self._buf)} unexpected bytes after the replies")
 
     # ---- replies ------------------------------------------------------------------------
-    def simple(self) -> Any:
+    def simple(self) -> Reply:
         """One reply that is not a page: status, integer, error, bulk, array or nil."""
         text = self.line()
         kind, body = text[:1], text[1:]
@@ -193,7 +197,7 @@ class ReplyReader:
             return MISS if count < 0 else [self.simple() for _ in range(count)]
         raise ProtocolError(f"unexpected reply {text[:40]!r}")
 
-    def replies_like(self, count: int, expected: bytes) -> list[Any]:
+    def replies_like(self, count: int, expected: bytes) -> list[Reply]:
         """``count`` replies; when every one is the status line ``expected`` (``+OK``), one
         compare instead of ``count`` parses. Only for the last replies in flight (it reads
         ``count * len(expected)`` bytes, which every reply of such a batch has at least)."""
@@ -203,7 +207,7 @@ class ReplyReader:
         self._buf[:0] = data  # something else (an error reply): parse them one by one
         return [self.simple() for _ in range(count)]
 
-    def small_ints(self, count: int) -> list[Any]:
+    def small_ints(self, count: int) -> list[Reply]:
         """``count`` replies that are ``:0`` / ``:1`` (EXISTS, DEL of one key) matched in bulk;
         parsed one by one when any is something else. Only for the last replies in flight."""
         data = self.exact(4 * count)
