@@ -177,7 +177,8 @@ class CachedPages(PlainPages):
         full = len(tokens) // self.page_size
         if full <= pages.committed_pages:
             return
-        self.tiered.commit(tokens[:full * self.page_size], pages.table[:full], pages.salt)
+        self.tiered.commit(tokens[:full * self.page_size], pages.table[:full], pages.salt,
+                           loaded=pages.pin)
         pages.owned.difference_update(pages.table[:full])
         old, pages.pin, pages.ticket = pages.pin, None, None
         hit = self.tiered.match(tokens[:full * self.page_size], pages.salt)
