@@ -125,6 +125,9 @@ def test_hanging_write_neither_blocks_requests_nor_close() -> None:
     for seed in range(3):
         serve(cache, prompt(4, seed=10 + seed))
     assert time.monotonic() - started < 2.0
+    deadline = time.monotonic() + 5.0      # the one IO worker picks the first write up
+    while faulty.hanging() == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert faulty.hanging() == 1
     cache.check_integrity()
     faulty.release_hangs()
