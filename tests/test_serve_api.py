@@ -112,6 +112,18 @@ def test_streamed_completion_ends_with_usage_then_done(server):
     assert "".join(e["choices"][0]["text"] for e in events[:-2]) == plain["choices"][0]["text"]
 
 
+def test_a_stream_sends_one_chunk_per_token_even_while_its_text_is_incomplete(server):
+    """Token ids the tokenizer cannot turn into text yet (most of the tiny model's 128k ids
+    are past its 1k-token vocabulary) still get their chunk, so a client times every token."""
+    body = {"model": "tiny-llama", "prompt": [5, 6, 7], "max_tokens": 9, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server[1] + "/v1/completions", json=body, timeout=60) as resp:
+        events = _sse_events(resp)
+    texts = [e["choices"][0]["text"] for e in events[:-1] if e["choices"][0]["finish_reason"]
+             is None]
+    assert len(texts) == 9
+
+
 def test_stop_string_ends_the_answer_before_it(server):
     base = {"model": "tiny-llama", "prompt": "Return the", "max_tokens": 12, "temperature": 0,
             "ignore_eos": True}

@@ -1,9 +1,9 @@
 """One generation seen from asyncio: submit to the engine thread, stream text, end with usage.
 
 Owns ``stream_text``: it submits a ``GenerationRequest`` with a sink that hands engine events to
-the event loop, turns token ids into text (``Detokenizer``), cuts at stop strings
-(``StopMatcher``), cancels the engine's work when the stream ends early (stop string, client
-gone), finishes with a ``Done`` carrying the finish reason and the OpenAI usage block, and
+the event loop, turns each token id into a text increment (``Detokenizer``; possibly empty),
+cuts at stop strings (``StopMatcher``), cancels the engine's work when the stream ends early
+(stop string, client gone), finishes with a ``Done`` carrying the finish reason and the OpenAI usage block, and
 logs one line per request when it ends, whatever ended it (``serve.logs.request_line``).
 Runs on the server's event loop; the engine runs on its own thread.
 """
@@ -85,9 +85,10 @@ async def stream_text(service: Any, request: GenerationRequest, stops: list[str]
                     continue  # generated after a stop string; not part of the answer
                 produced += 1
                 if event.token_id not in request.stop_token_ids:
-                    text = stopper.feed(detok.push(event.token_id))
-                    if text:
-                        yield text
+                    # One increment per token, empty while the text is incomplete (a partial
+                    # UTF-8 character, a possible stop string held back): a stream's chunks
+                    # then time its tokens, as vLLM's do.
+                    yield stopper.feed(detok.push(event.token_id))
                 if stopper.stopped:
                     reason = "stop"
                     handle.cancel()
