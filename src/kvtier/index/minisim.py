@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 CLASSES = 4   # a page came back 0, 1, 2 or 3+ times
 UNSET = -1.0
-BATCH = 128    # sampled references run through the miniatures at a time
+BATCH = 32     # sampled references run through the miniatures at a time
 
 
 class PageSampler:

@@ -24,7 +24,6 @@ LRU's with one dict lookup (node to run); the sampled pages reach the miniatures
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 
 from kvtier.index.eviction import EvictionPolicy, Node, page_layout
@@ -56,7 +55,7 @@ class ShadowPolicy(EvictionPolicy):
         self._trim_in = 0
         self._tick = 0
         self._runs: dict[Node, Run] = {}
-        self._ghosts: OrderedDict[bytes, tuple[int, float]] = OrderedDict()
+        self._ghosts: dict[bytes, tuple[int, float]] = {}  # oldest first
         self._leaves = RunHeap()
         self.sampler = PageSampler()
         self.duel = Duel(weights, half_life, z)
@@ -194,8 +193,14 @@ class ShadowPolicy(EvictionPolicy):
         self._trim_in = TRIM_EVERY
         ghosts = self._ghosts
         limit = self.clock - self.history * max(self.held, 1.0)
-        while ghosts and (next(iter(ghosts.values()))[1] < limit or len(ghosts) > GHOSTS):
-            ghosts.popitem(last=False)
+        excess = len(ghosts) - GHOSTS
+        expired = []
+        for key, (_, left) in ghosts.items():   # insertion order: the oldest ghost first
+            if left >= limit and len(expired) >= excess:
+                break
+            expired.append(key)
+        for key in expired:
+            del ghosts[key]
 
     supports_boost = True
 
