@@ -25,6 +25,7 @@ from collections.abc import Sequence
 CLASSES = 4   # a page came back 0, 1, 2 or 3+ times
 UNSET = -1.0
 BATCH = 32     # sampled references run through the miniatures at a time
+RESIZE_SLACK = 1 / 32  # size changes the miniatures ignore (the tier's fill swinging by a run)
 
 
 class PageSampler:
@@ -53,19 +54,23 @@ class PageSampler:
     def started(self) -> bool:
         return self.rate >= 0.0
 
-    def pick(self, buffer: bytes, step: int) -> tuple[bytes, ...]:
-        """The sampled page identities of a run stored as consecutive ``step``-byte pages."""
-        if self._first >= 256:
-            return tuple(buffer[i:i + step] for i in range(0, len(buffer), step))
+    def pick(self, buffer: bytes, step: int) -> Sequence[bytes]:
+        """The sampled page identities of a run stored as consecutive ``step``-byte pages
+        (an empty tuple when none is sampled, the common case)."""
         marks = buffer[::step].translate(self._table)
-        out = []
         at = marks.find(1)
+        if at < 0:
+            return ()
+        first, second = self._first, self._second
+        if first >= 256:
+            return [buffer[i:i + step] for i in range(0, len(buffer), step)]
+        out = []
         while at >= 0:
             page = buffer[at * step:(at + 1) * step]
-            if page[0] < self._first or (step > 1 and page[1] < self._second):
+            if page[0] < first or (step > 1 and page[1] < second):
                 out.append(page)
             at = marks.find(1, at + 1)
-        return tuple(out)
+        return out
 
 
 class LRUCache:
@@ -104,13 +109,13 @@ class ClassCache:
 
     The deadline is fixed when the page is referenced (as the real tier keys a leaf when it is
     used), so the pages sit in one heap with lazy deletion: a reference pushes the page's new
-    deadline and ``_deadline`` says which entry is current; stale entries are skipped when
-    popped and dropped when the heap outgrows twice the cache. Ties go to the smaller key
-    (deterministic). Time counts this cache's own misses (new content), as the real policy
-    counts pages born.
+    entry and ``_deadline`` holds each page's current one; stale entries are skipped when
+    popped and dropped when the heap outgrows twice the cache. Ties go to the lower class, then
+    to the older reference (the order of one ordered list per class). Time counts this cache's
+    own misses (new content), as the real policy counts pages born.
     """
 
-    __slots__ = ("weight", "capacity", "clock", "_span", "_heap", "_deadline")
+    __slots__ = ("weight", "capacity", "clock", "_order", "_span", "_heap", "_deadline")
 
     def __init__(self, weight: float) -> None:
         if weight <= 0:
@@ -118,9 +123,10 @@ class ClassCache:
         self.weight = weight
         self.capacity = 1
         self.clock = 0
+        self._order = 0                  # references so far (ties: the older reference first)
         self._span = weight
-        self._heap: list[tuple[float, bytes]] = []
-        self._deadline: dict[bytes, float] = {}
+        self._heap: list[tuple[float, int, int, bytes]] = []
+        self._deadline: dict[bytes, tuple[float, int, int, bytes]] = {}  # page -> its entry
 
     def resize(self, capacity: int) -> None:
         self.capacity = capacity
@@ -132,7 +138,7 @@ class ClassCache:
         cache hit and LRU missed (wins) and the reverse (losses)."""
         deadline, span, capacity = self._deadline, self._span, self.capacity
         heap, push, pop = self._heap, heapq.heappush, heapq.heappop
-        clock = self.clock
+        clock, order = self.clock, self._order
         wins = losses = 0
         for key, klass, lru_hit in zip(keys, classes, lru_hits, strict=True):
             if key in deadline:
@@ -141,14 +147,15 @@ class ClassCache:
                 losses += lru_hit
                 clock += 1
                 while len(deadline) >= capacity:
-                    due, victim = pop(heap)
-                    if deadline.get(victim) == due:
-                        del deadline[victim]
-            due = deadline[key] = clock + span * klass
-            push(heap, (due, key))
-        self.clock = clock
+                    entry = pop(heap)
+                    if deadline.get(entry[3]) is entry:
+                        del deadline[entry[3]]
+            order += 1
+            deadline[key] = entry = (clock + span * klass, klass, order, key)
+            push(heap, entry)
+        self.clock, self._order = clock, order
         if len(heap) > 2 * len(deadline) + 64:
-            self._heap = [(due, key) for key, due in deadline.items()]
+            self._heap = list(deadline.values())
             heapq.heapify(self._heap)
         return wins, losses
 
@@ -188,7 +195,6 @@ class Duel:
         self.choice = 0.0
         self.refs = 0
         self._next_decision = 0
-        self._decided_at = 0
         self._keys: list[bytes] = []
         self._classes: list[int] = []
 
@@ -208,33 +214,36 @@ class Duel:
             self.flush()
 
     def flush(self) -> None:
-        """Run the queued references through every miniature, then decide if it is time."""
+        """Run the queued references through every miniature, deciding at the exact
+        reference counts a per-reference duel would (the batch is cut there)."""
         keys, classes = self._keys, self._classes
         if not keys:
             return
         self._keys, self._classes = [], []
         capacity = max(int(round(self.target)), 1)
-        if capacity != self.lru.capacity:
+        if abs(capacity - self.lru.capacity) > self.lru.capacity * RESIZE_SLACK:
             self.lru.capacity = capacity
             for cache in self.caches:
                 cache.resize(capacity)
-        lru_hits = self.lru.hits(keys)
-        for i, cache in enumerate(self.caches):
-            wins, losses = cache.lead(keys, classes, lru_hits)
-            self.wins[i] += wins
-            self.losses[i] += losses
-        self.refs += len(keys)
-        if self.refs >= self._next_decision:
-            self._decide()
+        start = 0
+        while start < len(keys):
+            stop = start + max(self._next_decision - self.refs, 1)
+            part, part_classes = keys[start:stop], classes[start:stop]
+            lru_hits = self.lru.hits(part)
+            for i, cache in enumerate(self.caches):
+                wins, losses = cache.lead(part, part_classes, lru_hits)
+                self.wins[i] += wins
+                self.losses[i] += losses
+            self.refs += len(part)
+            if self.refs >= self._next_decision:
+                self._decide()
+            start = stop
 
     def _decide(self) -> None:
-        """Every quarter miniature cache-full (at the end of the batch that reaches it): pick
-        the weight, then decay the counts by the references since the last decision."""
+        """Every quarter miniature cache-full: pick the weight, then decay the counts."""
         step = max(self.lru.capacity // 4, 1)
-        elapsed = self.refs - self._decided_at
-        self._decided_at = self.refs
         self._next_decision = self.refs + step
-        keep = 0.5 ** (elapsed / (self.half_life * self.lru.capacity))
+        keep = 0.5 ** (step / (self.half_life * self.lru.capacity))
         best, choice = 0.0, 0.0
         for i, cache in enumerate(self.caches):
             lead = self.wins[i] - self.losses[i]
