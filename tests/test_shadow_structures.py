@@ -150,11 +150,21 @@ def test_batched_duel_decides_exactly_as_a_per_reference_duel_only_later():
         Duel((0.0, 2.0), 8.0, 2.0, batch=0)
 
 
+def test_references_wait_for_a_full_batch():
+    duel = Duel((0.0, 2.0), 8.0, 2.0, batch=8)
+    duel.resize(64)
+    duel.refs_of([bytes([i]) for i in range(5)], 0)
+    assert duel.refs == 0 and len(duel.lru) == 0
+    duel.refs_of([bytes([i]) for i in range(5, 8)], 1)
+    assert duel.refs == 8 and len(duel.lru) == 8 and not duel._keys
+
+
 def test_miniatures_ignore_size_swings_below_the_slack():
+    assert 4 / 256 < RESIZE_SLACK < 44 / 256   # the sizes below straddle it
     duel = Duel((0.0, 2.0), 8.0, 2.0, batch=1)
     duel.resize(256)
     duel.ref(b"a", 0)
-    duel.resize(256 + 256 * RESIZE_SLACK)   # within the slack: the size stays
+    duel.resize(260)                        # 1.6 %, within the slack: the size stays
     duel.ref(b"b", 0)
     assert duel.lru.capacity == duel.caches[0].capacity == 256
     duel.resize(300)
