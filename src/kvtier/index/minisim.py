@@ -228,7 +228,10 @@ class Duel:
         start = 0
         while start < len(keys):
             stop = start + max(self._next_decision - self.refs, 1)
-            part, part_classes = keys[start:stop], classes[start:stop]
+            if start == 0 and stop >= len(keys):
+                part, part_classes = keys, classes    # the whole batch before a decision
+            else:
+                part, part_classes = keys[start:stop], classes[start:stop]
             lru_hits = self.lru.hits(part)
             for i, cache in enumerate(self.caches):
                 wins, losses = cache.lead(part, part_classes, lru_hits)

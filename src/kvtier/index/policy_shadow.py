@@ -121,7 +121,10 @@ class ShadowPolicy(EvictionPolicy):
         run = self._runs.get(node)
         if run is None:
             run = self._runs[node] = self._split_head(node)
-        hits = getattr(node, "hits", None)
+        try:
+            hits = node.hits                  # type: ignore[attr-defined]
+        except AttributeError:                # an opaque node: every touch is a use
+            hits = None
         if hits is None or hits > run.hits:   # a new use (not the index walking it again)
             if self.clock > run.born:         # a use in the birth instant is the same use
                 run.klass = min(run.klass + 1, CLASSES - 1)
