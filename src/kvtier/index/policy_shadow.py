@@ -33,6 +33,7 @@ from kvtier.index.shadow_runs import Run, RunHeap
 #: head starts tried, in cache-fulls of new content per class (LRU first).
 WEIGHTS: tuple[float, ...] = (0.0, 2.0, 8.0)
 TICK = 1e-9       # orders uses within one page-birth instant (far below one page)
+TOP_CLASS = CLASSES - 1
 GHOSTS = 1 << 16  # ghosts kept at most
 TRIM_EVERY = 64   # evictions between two sweeps of expired ghosts
 
@@ -122,21 +123,22 @@ class ShadowPolicy(EvictionPolicy):
         if run is None:
             run = self._runs[node] = self._split_head(node)
         try:
-            hits = node.hits                  # type: ignore[attr-defined]
+            hits, pages = node.hits, node.pages  # type: ignore[attr-defined]
         except AttributeError:                # an opaque node: every touch is a use
-            hits = None
+            hits, pages = getattr(node, "hits", None), getattr(node, "pages", run.pages)
+        clock = self.clock
         if hits is None or hits > run.hits:   # a new use (not the index walking it again)
-            if self.clock > run.born:         # a use in the birth instant is the same use
-                run.klass = min(run.klass + 1, CLASSES - 1)
+            if clock > run.born and run.klass < TOP_CLASS:  # a use in the birth instant
+                run.klass += 1                              # is the same use
             run.hits = hits if hits is not None else run.hits + 1
             run.dead = False
             sample = run.sample
-            if sample is None or run.pages != getattr(node, "pages", run.pages):
+            if sample is None or run.pages != pages:
                 sample = self._resample(node, run)
             if sample:
                 self.duel.refs_of(sample, run.klass)
         self._tick = tick = self._tick + 1
-        run.last_use = last = self.clock + tick * TICK
+        run.last_use = last = clock + tick * TICK
         if run.entry is not None:
             span = self.span
             self._leaves.push(node, run,
