@@ -6,7 +6,9 @@ would in a live cache, so nodes carry their real state at every call), wrapped i
 ``forget``) less the wrapper's own cost, measured once with an empty policy. The replays of one
 round run back to back in a rotating order, and each policy keeps its best round (a shared
 machine's noise only ever adds time). Reports microseconds per call, per request, and the
-ratio to LRU measured in the same round (steadier than absolute times on a busy machine).
+ratio to LRU measured in the same round (steadier than absolute times on a busy machine): the
+best round's and the median over all rounds. The JSON also records the machine's load average
+before and after the run (absolute times on a shared machine scale with it).
 
 Run: ``python benchmarks/bench_policy_cost.py [--trace FILE] [--tokens 3M] [--rounds 3]
 [--json out.json]``. Main thread.
@@ -15,6 +17,8 @@ Run: ``python benchmarks/bench_policy_cost.py [--trace FILE] [--tokens 3M] [--ro
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 from typing import Any
 
 from kvtier.config import parse_size
@@ -39,15 +43,20 @@ def one_round(trace: Any, tokens: int, policies: list[str]) -> dict[str, dict[st
 
 def measure(trace: Any, tokens: int, policies: list[str], rounds: int) -> dict[str, Any]:
     best: dict[str, dict[str, Any]] = {}
+    ratios: dict[str, list[float]] = {p: [] for p in policies}
     for r in range(rounds):
         order = policies[r % len(policies):] + policies[:r % len(policies)]
         got = one_round(trace, tokens, order)
-        lru = got["lru"]["timing"]["all"]["us_per_call"] if "lru" in got else None
+        lru = got["lru"]["timing"]["all"]["us_per_call"]
         for policy, row in got.items():
             us = row["timing"]["all"]["us_per_call"]
-            row["ratio_to_lru"] = us / lru if lru else None
+            row["ratio_to_lru"] = us / lru
+            ratios[policy].append(us / lru)
             if policy not in best or us < best[policy]["timing"]["all"]["us_per_call"]:
                 best[policy] = row
+    for policy, row in best.items():
+        row["ratios_to_lru"] = ratios[policy]
+        row["median_ratio_to_lru"] = statistics.median(ratios[policy])
     return best
 
 
@@ -59,10 +68,11 @@ def table(best: dict[str, Any]) -> str:
         rows.append([policy, *(f"{t[m]['us_per_call']:.2f}" for m in METHODS), calls,
                      f"{t['all']['us_per_call']:.2f}",
                      f"{t['all']['us_per_call'] * calls / row['requests']:.1f}",
-                     f"{row['ratio_to_lru']:.2f}" if row["ratio_to_lru"] else "-",
+                     f"{row['ratio_to_lru']:.2f}", f"{row['median_ratio_to_lru']:.2f}",
                      f"{100 * row['served_share']:.2f}"])
     return format_table(["policy", *(f"{m} us" for m in METHODS), "calls", "us/call",
-                         "us/request", "x LRU (same round)", "served %"], rows)
+                         "us/request", "x LRU (same round)", "x LRU (median of rounds)",
+                         "served %"], rows)
 
 
 def main() -> None:
@@ -81,14 +91,21 @@ def main() -> None:
     unknown = [p for p in policies if p not in EVICTION_POLICIES]
     if unknown or "lru" not in policies:
         raise SystemExit(f"--policies: need lru and known names, got {policies}")
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds: need at least 1, got {args.rounds}")
     trace = read_trace(args.trace, 512, args.limit)
+    load_before = os.getloadavg()
     best = measure(trace, tokens, policies, args.rounds)
+    load_after = os.getloadavg()
     text = table(best)
     print(f"{trace.name}: {len(trace)} requests, single tier {tokens / 1e6:g}M tokens, "
-          f"best of {args.rounds} rounds\n{text}")
+          f"best of {args.rounds} rounds, load average {load_before[0]:.2f} before, "
+          f"{load_after[0]:.2f} after\n{text}")
     if args.json:
         write_report(args.json, "policy_cost", {"trace": trace.summary(), "tokens": tokens,
-                                                "rounds": args.rounds, "policies": best})
+                                                "rounds": args.rounds, "policies": best,
+                                                "load_average": {"before": load_before,
+                                                                 "after": load_after}})
 
 
 if __name__ == "__main__":

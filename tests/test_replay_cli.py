@@ -38,4 +38,15 @@ def test_study_writes_json_table_and_plot(tmp_path, monkeypatch, capsys):
         assert (tmp_path / name).stat().st_size > 0
     assert {row["tokens"] for row in data["curve"]} == {100_000, 400_000}
     assert all(row["lru"] <= row["bound"] + 1e-12 for row in data["curve"])
-    assert "Prefill GPU time saved" in capsys.readouterr().out
+    # the default policy against LRU on both halves (every curve capacity) and on every
+    # synthetic workload (every margin fraction)
+    margin = data["margin"]
+    per_trace: dict[str, int] = {}
+    for row in margin:
+        per_trace[row["trace"]] = per_trace.get(row["trace"], 0) + 1
+        assert row["margin"] == row["default"] - row["lru"]
+    assert len(per_trace) == 2 + len(synthetic.GENERATORS)
+    assert sorted(set(per_trace.values())) == sorted({len(study.CURVE_TOKENS),
+                                                      len(study.MARGIN_FRACTIONS)})
+    out = capsys.readouterr().out
+    assert "Prefill GPU time saved" in out and "Default policy less LRU" in out

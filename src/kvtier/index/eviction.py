@@ -212,12 +212,16 @@ class AdmitOnSecondHit(AdmissionPolicy):
 def page_layout(node: Node) -> tuple[bytes, int]:
     """The bytes that name ``node``'s pages and how many bytes name one: its page keys when it
     has them, else its token bytes (``b"", 0`` for opaque nodes)."""
-    pages = getattr(node, "pages", 0) or 0
-    keys = getattr(node, "keys", b"") or b""
-    if pages and len(keys) == pages * KEY_BYTES:
+    try:
+        pages, keys, tokens = node.pages, node.keys, node.tokens  # type: ignore[attr-defined]
+    except AttributeError:  # a stand-in node may lack some of them
+        pages = getattr(node, "pages", 0)
+        keys, tokens = getattr(node, "keys", None), getattr(node, "tokens", None)
+    if not pages:
+        return b"", 0
+    if keys and len(keys) == pages * KEY_BYTES:
         return keys, KEY_BYTES
-    tokens = getattr(node, "tokens", b"") or b""
-    if not pages or not tokens:
+    if not tokens:
         return b"", 0
     return tokens, len(tokens) // pages
 

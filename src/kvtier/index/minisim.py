@@ -1,25 +1,31 @@
 """Miniature cache simulations over a spatially sampled page stream (SHARDS-style).
 
 Owns ``PageSampler`` (which pages of a run are in the sample, by a fixed hash of the page's
-identity, so the same content is sampled in every process and every run), ``ClassCache`` (a
-page-level cache of a fixed capacity that ranks pages by ``last use + weight * class *
-capacity``, the ranking of ``kvtier.index.policy_shadow``; weight 0 is plain LRU) and
+identity, so the same content is sampled in every process and every run), ``LRUCache`` (the
+LRU miniature), ``ClassCache`` (a page-level cache of a fixed capacity that ranks pages by
+``last use + weight * class * capacity``, the ranking of ``kvtier.index.policy_shadow``) and
 ``Duel``, which feeds one sampled reference stream to several such caches at once, keeps a
 decayed hit score for each, and names the weight the real tier should use.
 
 A cache of ``C`` pages fed a sample of rate ``R`` of the pages behaves like the full cache
 scaled down (``R * C`` pages): the technique of miniature simulations (Waldspurger et al.,
-ATC'17). Each miniature costs one dict operation per sampled reference, so a few of them run
-beside the real tier for a fraction of its own cost. Engine thread only; no torch.
+ATC'17). The duel queues sampled references and runs them through the miniatures ``BATCH``
+at a time, each miniature's loop over the batch keeping its state in local variables; one
+reference costs each miniature a dict lookup and, on a miss, one eviction. Engine thread
+only; no torch.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import OrderedDict
+from collections.abc import Sequence
 
 CLASSES = 4   # a page came back 0, 1, 2 or 3+ times
 UNSET = -1.0
+BATCH = 32     # sampled references run through the miniatures at a time
+RESIZE_SLACK = 1 / 32  # size changes the miniatures ignore (the tier's fill swinging by a run)
 
 
 class PageSampler:
@@ -48,74 +54,113 @@ class PageSampler:
     def started(self) -> bool:
         return self.rate >= 0.0
 
-    def pick(self, buffer: bytes, step: int) -> tuple[bytes, ...]:
-        """The sampled page identities of a run stored as consecutive ``step``-byte pages."""
-        if self._first >= 256:
-            return tuple(buffer[i:i + step] for i in range(0, len(buffer), step))
+    def pick(self, buffer: bytes, step: int) -> Sequence[bytes]:
+        """The sampled page identities of a run stored as consecutive ``step``-byte pages
+        (an empty tuple when none is sampled, the common case)."""
         marks = buffer[::step].translate(self._table)
-        out = []
         at = marks.find(1)
+        if at < 0:
+            return ()
+        first, second = self._first, self._second
+        if first >= 256:
+            return [buffer[i:i + step] for i in range(0, len(buffer), step)]
+        out = []
         while at >= 0:
             page = buffer[at * step:(at + 1) * step]
-            if page[0] < self._first or (step > 1 and page[1] < self._second):
+            if page[0] < first or (step > 1 and page[1] < second):
                 out.append(page)
             at = marks.find(1, at + 1)
-        return tuple(out)
+        return out
+
+
+class LRUCache:
+    """The LRU miniature: one ordered dict of pages, a reference moves its page to the end."""
+
+    __slots__ = ("capacity", "_pages")
+
+    def __init__(self) -> None:
+        self.capacity = 1
+        self._pages: OrderedDict[bytes, None] = OrderedDict()
+
+    def hits(self, keys: Sequence[bytes]) -> list[bool]:
+        """Reference every page of ``keys`` in order; whether each one was a hit."""
+        pages, capacity = self._pages, self.capacity
+        while len(pages) > capacity:
+            pages.popitem(last=False)
+        out: list[bool] = []
+        hit, move, evict = out.append, pages.move_to_end, pages.popitem
+        for key in keys:
+            if key in pages:
+                move(key)
+                hit(True)
+            else:
+                pages[key] = None
+                if len(pages) > capacity:
+                    evict(last=False)
+                hit(False)
+        return out
+
+    def __len__(self) -> int:
+        return len(self._pages)
 
 
 class ClassCache:
-    """A page cache ranking pages by last use plus ``weight * class * capacity``.
+    """A page cache ranking pages by their deadline ``last use + weight * class * capacity``.
 
-    One ordered dict per class keeps its pages in last-use order (a reference moves a page to
-    the end), so the victim is the oldest page of whichever class has the earliest deadline;
-    with weight 0 one ordered dict holds every page (plain LRU). Time counts this cache's own
-    misses (new content), as the real policy counts pages born.
+    The deadline is fixed when the page is referenced (as the real tier keys a leaf when it is
+    used), so the pages sit in one heap with lazy deletion: a reference pushes the page's new
+    entry and ``_deadline`` holds each page's current one; stale entries are skipped when
+    popped and dropped when the heap outgrows twice the cache. Ties go to the lower class, then
+    to the older reference (the order of one ordered list per class). Time counts this cache's
+    own misses (new content), as the real policy counts pages born.
     """
 
-    __slots__ = ("weight", "capacity", "clock", "_lists", "_where")
+    __slots__ = ("weight", "capacity", "clock", "_order", "_span", "_heap", "_deadline")
 
     def __init__(self, weight: float) -> None:
+        if weight <= 0:
+            raise ValueError(f"a ClassCache needs a weight > 0 (weight 0 is LRUCache), got {weight}")
         self.weight = weight
         self.capacity = 1
         self.clock = 0
-        self._lists: list[OrderedDict[bytes, int]] = [
-            OrderedDict() for _ in range(CLASSES if weight else 1)]
-        self._where: dict[bytes, int] = {}
+        self._order = 0                  # references so far (ties: the older reference first)
+        self._span = weight
+        self._heap: list[tuple[float, int, int, bytes]] = []
+        self._deadline: dict[bytes, tuple[float, int, int, bytes]] = {}  # page -> its entry
 
-    def ref(self, key: bytes, klass: int) -> bool:
-        """Reference ``key`` (of ``klass``); True on a hit."""
-        where = self._where
-        lists = self._lists
-        if not self.weight:
-            klass = 0
-        old = where.pop(key, None)
-        if old is None:
-            self.clock += 1
-            if len(where) >= self.capacity:
-                self._evict(lists, where)
-        else:
-            del lists[old][key]
-        lists[klass][key] = self.clock
-        where[key] = klass
-        return old is not None
+    def resize(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._span = self.weight * capacity
 
-    def _evict(self, lists: list[OrderedDict[bytes, int]], where: dict[bytes, int]) -> None:
-        """Make room for one page: drop the page with the earliest deadline."""
-        while where and len(where) >= self.capacity:
-            if len(lists) == 1:
-                victim = lists[0]
+    def lead(self, keys: Sequence[bytes], classes: Sequence[int],
+             lru_hits: Sequence[bool]) -> tuple[int, int]:
+        """Reference every page of ``keys`` (of ``classes``) in order; the references this
+        cache hit and LRU missed (wins) and the reverse (losses)."""
+        deadline, span, capacity = self._deadline, self._span, self.capacity
+        heap, push, pop = self._heap, heapq.heappush, heapq.heappop
+        clock, order = self.clock, self._order
+        wins = losses = 0
+        for key, klass, lru_hit in zip(keys, classes, lru_hits, strict=True):
+            if key in deadline:
+                wins += not lru_hit
             else:
-                span = self.weight * self.capacity
-                victim, best = lists[0], math.inf
-                for klass, pages in enumerate(lists):
-                    if pages:
-                        deadline = next(iter(pages.values())) + span * klass
-                        if deadline < best:
-                            victim, best = pages, deadline
-            del where[victim.popitem(last=False)[0]]
+                losses += lru_hit
+                clock += 1
+                while len(deadline) >= capacity:
+                    entry = pop(heap)
+                    if deadline.get(entry[3]) is entry:
+                        del deadline[entry[3]]
+            order += 1
+            deadline[key] = entry = (clock + span * klass, klass, order, key)
+            push(heap, entry)
+        self.clock, self._order = clock, order
+        if len(heap) > 2 * len(deadline) + 64:
+            self._heap = list(deadline.values())
+            heapq.heapify(self._heap)
+        return wins, losses
 
     def __len__(self) -> int:
-        return len(self._where)
+        return len(self._deadline)
 
 
 class Duel:
@@ -127,41 +172,75 @@ class Duel:
     exceed its losses by more than ``z`` standard deviations of that difference under the
     hypothesis that it is no better than LRU (McNemar's test: ``z * sqrt(wins + losses)``);
     the best such weight wins, and with none the choice is LRU.
+
+    References are queued and run through the miniatures ``batch`` at a time, one cache after
+    the other (each cache's state stays in local variables for the whole batch), at the size
+    ``target`` names when the batch runs; ``flush`` runs what is queued now.
     """
 
-    def __init__(self, weights: tuple[float, ...], half_life: float, z: float) -> None:
+    def __init__(self, weights: tuple[float, ...], half_life: float, z: float,
+                 batch: int = BATCH) -> None:
         if not weights or weights[0] != 0.0:
             raise ValueError("the first weight must be 0 (LRU)")
-        self.lru = ClassCache(0.0)
+        if batch < 1:
+            raise ValueError(f"batch must be >= 1 reference, got {batch}")
+        self.lru = LRUCache()
         self.caches = [ClassCache(w) for w in weights[1:]]
         self.wins = [0.0] * len(self.caches)
         self.losses = [0.0] * len(self.caches)
         self.half_life = half_life
         self.z = z
+        self.batch = batch
+        self.target = 1.0                # the miniatures' size in pages (set by the owner)
         self.choice = 0.0
         self.refs = 0
         self._next_decision = 0
+        self._keys: list[bytes] = []
+        self._classes: list[int] = []
 
     def resize(self, pages: float) -> None:
-        capacity = max(int(round(pages)), 1)
-        if capacity == self.lru.capacity:
-            return
-        self.lru.capacity = capacity
-        for cache in self.caches:
-            cache.capacity = capacity
+        """Size the miniatures from the next batch on."""
+        self.target = pages
 
     def ref(self, key: bytes, klass: int) -> None:
         """A reference to sampled page ``key``, of the class the real tier gave its run."""
-        lru_hit = self.lru.ref(key, klass)
-        for i, cache in enumerate(self.caches):
-            if cache.ref(key, klass) is not lru_hit:
-                if lru_hit:
-                    self.losses[i] += 1.0
-                else:
-                    self.wins[i] += 1.0
-        self.refs += 1
-        if self.refs >= self._next_decision:
-            self._decide()
+        self.refs_of((key,), klass)
+
+    def refs_of(self, keys: Sequence[bytes], klass: int) -> None:
+        """References to the sampled pages ``keys`` of one run, of the run's class."""
+        self._keys.extend(keys)
+        self._classes.extend((klass,) * len(keys))
+        if len(self._keys) >= self.batch:
+            self.flush()
+
+    def flush(self) -> None:
+        """Run the queued references through every miniature, deciding at the exact
+        reference counts a per-reference duel would (the batch is cut there)."""
+        keys, classes = self._keys, self._classes
+        if not keys:
+            return
+        self._keys, self._classes = [], []
+        capacity = max(int(round(self.target)), 1)
+        if abs(capacity - self.lru.capacity) > self.lru.capacity * RESIZE_SLACK:
+            self.lru.capacity = capacity
+            for cache in self.caches:
+                cache.resize(capacity)
+        start = 0
+        while start < len(keys):
+            stop = start + max(self._next_decision - self.refs, 1)
+            if start == 0 and stop >= len(keys):
+                part, part_classes = keys, classes    # the whole batch before a decision
+            else:
+                part, part_classes = keys[start:stop], classes[start:stop]
+            lru_hits = self.lru.hits(part)
+            for i, cache in enumerate(self.caches):
+                wins, losses = cache.lead(part, part_classes, lru_hits)
+                self.wins[i] += wins
+                self.losses[i] += losses
+            self.refs += len(part)
+            if self.refs >= self._next_decision:
+                self._decide()
+            start = stop
 
     def _decide(self) -> None:
         """Every quarter miniature cache-full: pick the weight, then decay the counts."""

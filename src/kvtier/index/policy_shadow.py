@@ -17,37 +17,25 @@ the first eviction so that the miniatures hold ``sample_pages`` pages.
 
 Time is counted in pages first seen. Reads ``hits``, ``pages``, ``tokens``, ``keys`` and
 ``children`` of a node where present; with opaque nodes it is plain LRU. Engine thread only; no
-locking, no torch. All leaves sit in one heap keyed by their deadline (re-keyed, O(n), only
-when the weight changes), so every call is O(log n) like LRU's, plus one dict operation per
-miniature per sampled page.
+locking, no torch. All leaves sit in one ``RunHeap`` (``kvtier.index.shadow_runs``) keyed by
+their deadline (re-keyed, O(n), only when the weight changes), so every call is O(log n) like
+LRU's with one dict lookup (node to run); the sampled pages reach the miniatures in batches.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Sequence
 
-from kvtier.index.eviction import EvictionPolicy, LeafHeap, Node, page_layout
+from kvtier.index.eviction import EvictionPolicy, Node, page_layout
 from kvtier.index.minisim import CLASSES, Duel, PageSampler
+from kvtier.index.shadow_runs import Run, RunHeap
 
 #: head starts tried, in cache-fulls of new content per class (LRU first).
 WEIGHTS: tuple[float, ...] = (0.0, 2.0, 8.0)
-TICK = 1e-9   # orders uses within one page-birth instant (far below one page)
-
-
-@dataclass(slots=True)
-class _Run:
-    """What the policy remembers about one node."""
-
-    klass: int
-    last_use: float
-    born: float
-    hits: int
-    pages: int
-    sample: tuple[bytes, ...] | None = None
-    first: bytes | None = None     # the first page's identity (the key of its ghost)
-    boost: float = 0.0             # a cache hint's head start, in pages of new content
-    dead: bool = False
+TICK = 1e-9       # orders uses within one page-birth instant (far below one page)
+TOP_CLASS = CLASSES - 1
+GHOSTS = 1 << 16  # ghosts kept at most
+TRIM_EVERY = 64   # evictions between two sweeps of expired ghosts
 
 
 class ShadowPolicy(EvictionPolicy):
@@ -65,53 +53,40 @@ class ShadowPolicy(EvictionPolicy):
         self.span = 0.0                  # weight * held, fixed between weight changes
         self.clock = 0.0                 # pages first seen
         self.held = 0.0                  # pages this tier holds (born less evicted)
+        self._trim_in = 0
         self._tick = 0
-        self._runs: dict[Node, _Run] = {}
-        self._ghosts: OrderedDict[bytes, tuple[int, float]] = OrderedDict()
-        self._leaves = LeafHeap()
+        self._runs: dict[Node, Run] = {}
+        self._ghosts: dict[bytes, tuple[int, float]] = {}  # oldest first
+        self._leaves = RunHeap()
         self.sampler = PageSampler()
         self.duel = Duel(weights, half_life, z)
 
-    def _now(self) -> float:
-        self._tick += 1
-        return self.clock + self._tick * TICK
-
-    def deadline(self, run: _Run) -> float:
+    def deadline(self, run: Run) -> float:
         """The leaf's rank: lower goes first."""
         return run.last_use + run.boost + (-self.span if run.dead else self.span * run.klass)
 
-    # ---- the sampled stream ------------------------------------------------------------------
-    def _resample(self, node: Node, run: _Run) -> tuple[bytes, ...]:
-        """The node's sampled pages, recomputed when unknown or when a split changed it."""
-        if not self.sampler.started:
-            return ()
-        buffer, step = page_layout(node)
-        run.sample = self.sampler.pick(buffer, step) if step else ()
-        run.pages = getattr(node, "pages", run.pages) or run.pages
-        return run.sample
-
-    def _feed(self, run: _Run, sample: tuple[bytes, ...]) -> None:
-        for key in sample:
-            self.duel.ref(key, run.klass)
-
     # ---- runs --------------------------------------------------------------------------------
-    def _birth(self, node: Node, pages: int) -> _Run:
-        self.clock += pages
+    def _birth(self, node: Node, pages: int) -> Run:
+        """A run that just became a leaf for the first time: its ghost's class, its sample."""
+        self.clock = clock = self.clock + pages
         self.held += pages
-        now = self._now()
-        run = _Run(0, now, now, getattr(node, "hits", 1) or 1, pages)
+        self._tick += 1
+        now = clock + self._tick * TICK
+        run = Run(0, now, now, getattr(node, "hits", 1) or 1, pages)
         buffer, step = page_layout(node)
-        run.first = buffer[:step] if step else None
-        if self._ghosts and run.first is not None:
-            ghost = self._ghosts.pop(run.first, None)
-            if ghost is not None and self.clock - ghost[1] <= self.history * self.held:
-                run.klass = min(ghost[0] + 1, CLASSES - 1)
-        if self.sampler.started:
-            run.sample = self.sampler.pick(buffer, step) if step else ()
-            self._feed(run, run.sample)
+        if not step:
+            return run
+        run.first = first = buffer[:step]
+        ghost = self._ghosts.pop(first, None)
+        if ghost is not None and clock - ghost[1] <= self.history * self.held:
+            run.klass = min(ghost[0] + 1, CLASSES - 1)
+        if self.sampler.rate >= 0.0:
+            run.sample = sample = self.sampler.pick(buffer, step)
+            if sample:
+                self.duel.refs_of(sample, run.klass)
         return run
 
-    def _split_head(self, node: Node) -> _Run:
+    def _split_head(self, node: Node) -> Run:
         """An unknown node that is touched is the head of a split: it takes over the known
         child's history (and its first page); the child (the part the request did not use) is
         dead."""
@@ -120,87 +95,117 @@ class ShadowPolicy(EvictionPolicy):
             run = self._runs.get(child)
             if run is not None:
                 run.dead = True
-                head = _Run(run.klass, run.last_use, run.born, run.hits, pages, first=run.first,
-                            boost=run.boost)
+                head = Run(run.klass, run.last_use, run.born, run.hits, pages, run.first,
+                           run.boost)
                 run.first = None
-                if child in self._leaves:
-                    self._leaves.push(child, self.deadline(run))
+                if run.entry is not None:
+                    self._leaves.push(child, run, self.deadline(run))
                 return head
         self.clock += pages
         self.held += pages
-        now = self._now()
-        return _Run(0, now, now, getattr(node, "hits", 1) or 1, pages)
+        self._tick += 1
+        now = self.clock + self._tick * TICK
+        return Run(0, now, now, getattr(node, "hits", 1) or 1, pages)
+
+    def _resample(self, node: Node, run: Run) -> Sequence[bytes]:
+        """The node's sampled pages, picked when unknown or when a split changed the run
+        (none before the sample rate is fixed)."""
+        if self.sampler.rate < 0.0:
+            return ()
+        buffer, step = page_layout(node)
+        run.sample = self.sampler.pick(buffer, step) if step else ()
+        run.pages = getattr(node, "pages", run.pages) or run.pages
+        return run.sample
 
     # ---- the EvictionPolicy contract ---------------------------------------------------------
     def touch(self, node: Node) -> None:
         run = self._runs.get(node)
         if run is None:
             run = self._runs[node] = self._split_head(node)
-        hits = getattr(node, "hits", None)
-        if hits is None or hits > run.hits:
-            if self.clock > run.born:  # a use in the birth instant is the same use
-                run.klass = min(run.klass + 1, CLASSES - 1)
+        try:
+            hits, pages = node.hits, node.pages  # type: ignore[attr-defined]
+        except AttributeError:                # an opaque node: every touch is a use
+            hits, pages = getattr(node, "hits", None), getattr(node, "pages", run.pages)
+        clock = self.clock
+        if hits is None or hits > run.hits:   # a new use (not the index walking it again)
+            if clock > run.born and run.klass < TOP_CLASS:  # a use in the birth instant
+                run.klass += 1                              # is the same use
             run.hits = hits if hits is not None else run.hits + 1
             run.dead = False
             sample = run.sample
-            if sample is None or run.pages != getattr(node, "pages", run.pages):
+            if sample is None or run.pages != pages:
                 sample = self._resample(node, run)
             if sample:
-                self._feed(run, sample)
-        self._tick += 1
-        run.last_use = self.clock + self._tick * TICK
-        if node in self._leaves:
-            self._leaves.push(node, run.last_use + run.boost + self.span * run.klass)
+                self.duel.refs_of(sample, run.klass)
+        self._tick = tick = self._tick + 1
+        run.last_use = last = clock + tick * TICK
+        if run.entry is not None:
+            span = self.span
+            self._leaves.push(node, run,
+                              last + run.boost + (-span if run.dead else span * run.klass))
 
     def add(self, node: Node, pages: int) -> None:
         run = self._runs.get(node)
         if run is None:
             run = self._runs[node] = self._birth(node, pages)
-        self._leaves.push(node, self.deadline(run))
+        span = self.span
+        self._leaves.push(node, run, run.last_use + run.boost
+                          + (-span if run.dead else span * run.klass))
 
     def remove(self, node: Node) -> None:
-        self._leaves.discard(node)
+        run = self._runs.get(node)
+        if run is not None:
+            self._leaves.discard(run)
 
     def pop_victim(self) -> Node | None:
-        node = self._leaves.pop_min()
-        if node is None:
+        got = self._leaves.pop()
+        if got is None:
             return None
-        run = self._runs[node]
+        node, run = got
         if not run.dead:
-            self._remember(node, run)
-        self._evicted(getattr(node, "pages", 0) or run.pages)
-        return node
-
-    def _evicted(self, pages: int) -> None:
-        """One eviction: the tier is full, so ``held`` is its capacity; the first one fixes
-        the sample rate, each one sizes the miniatures and takes the duel's weight."""
-        if not self.sampler.started:
-            self.sampler.start(self.sample_pages / max(self.held, 1.0))
-        self.duel.resize(self.sampler.rate * self.held)
+            key = run.first
+            if key is None:
+                buffer, step = page_layout(node)
+                key = buffer[:step] if step else None
+            if key is not None:        # leave a ghost: the run's class, and when it left
+                ghosts = self._ghosts
+                ghosts.pop(key, None)
+                ghosts[key] = (run.klass, self.clock)
+        # The tier is full, so what it holds now is its size: the first eviction fixes the
+        # sample rate, the latest one sizes the miniatures; the tier takes the duel's weight.
+        held = self.held
+        sampler = self.sampler
+        if sampler.rate < 0.0:
+            sampler.start(self.sample_pages / max(held, 1.0))
+        self.duel.target = sampler.rate * held
         if self.duel.choice != self.weight:
             self.set_weight(self.duel.choice)
-        self.held = max(self.held - pages, 0.0)
+        self._trim_in -= 1
+        if self._trim_in <= 0:
+            self._trim_ghosts()
+        self.held = max(held - (getattr(node, "pages", 0) or run.pages), 0.0)
+        return node
 
     def set_weight(self, weight: float) -> None:
         """Take a new weight: re-key every leaf (O(n); the duel changes its mind rarely)."""
         self.weight = weight
         self.span = weight * max(self.held, 1.0)
-        for node in self._leaves.nodes():
-            self._leaves.push(node, self.deadline(self._runs[node]))
+        self._leaves.rekey(self.deadline)
 
-    def _remember(self, node: Node, run: _Run) -> None:
-        key = run.first
-        if key is None:
-            buffer, step = page_layout(node)
-            if not step:
-                return
-            key = buffer[:step]
-        self._ghosts.pop(key, None)
-        self._ghosts[key] = (run.klass, self.clock)
-        limit = self.clock - self.history * max(self.held, 1.0)
+    def _trim_ghosts(self) -> None:
+        """Drop expired ghosts (older than ``history`` fills; a ghost's age is also checked
+        where it is looked up, so sweeping every ``TRIM_EVERY`` evictions only bounds memory)."""
+        self._trim_in = TRIM_EVERY
         ghosts = self._ghosts
-        while ghosts and (next(iter(ghosts.values()))[1] < limit or len(ghosts) > 1 << 16):
-            ghosts.popitem(last=False)
+        limit = self.clock - self.history * max(self.held, 1.0)
+        excess = len(ghosts) - GHOSTS
+        expired = []
+        for key, (_, left) in ghosts.items():   # insertion order: the oldest ghost first
+            if left >= limit and len(expired) >= excess:
+                break
+            expired.append(key)
+        for key in expired:
+            del ghosts[key]
 
     supports_boost = True
 
@@ -209,12 +214,13 @@ class ShadowPolicy(EvictionPolicy):
         if run is None:
             return
         run.boost = max(float(pages), 0.0)
-        if node in self._leaves:
-            self._leaves.push(node, self.deadline(run))
+        if run.entry is not None:
+            self._leaves.push(node, run, self.deadline(run))
 
     def forget(self, node: Node) -> None:
-        self._leaves.forget(node)
-        self._runs.pop(node, None)
+        run = self._runs.pop(node, None)
+        if run is not None:
+            self._leaves.discard(run)
 
     def __len__(self) -> int:
         return len(self._leaves)

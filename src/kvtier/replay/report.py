@@ -52,6 +52,22 @@ def _overhead_table(overhead: dict[str, Any]) -> str:
                          "calls", "us/call (best of 5)", "us/request", "replay s"], rows)
 
 
+def _margin_table(rows: list[dict[str, Any]]) -> str:
+    """The default policy against LRU, one line per trace: its worst and best margin."""
+    by_trace: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        by_trace.setdefault(r["trace"], []).append(r)
+    body = []
+    for name, runs in by_trace.items():
+        worst = min(runs, key=lambda r: r["margin"])
+        best = max(runs, key=lambda r: r["margin"])
+        body.append([name, len(runs), f"{100 * worst['margin']:+.2f}",
+                     f"{worst['tokens'] / 1e6:.3g}M", f"{100 * best['margin']:+.2f}",
+                     f"{best['tokens'] / 1e6:.3g}M"])
+    return format_table(["trace", "capacities", "worst (points)", "at", "best (points)",
+                         "at"], body)
+
+
 def _savings_table(savings: list[dict[str, Any]]) -> str:
     rows = [[s["config"], s["policy"], s["write_policy"], s["model"],
              f"{s['prefill_gpu_s']:.0f}", f"{s['saved_gpu_s']:.0f}", _pct(s["saved_share"]),
@@ -80,6 +96,11 @@ def study_tables(data: dict[str, Any]) -> str:
                   _curve_table(body["curve"], policies)]
         if body.get("tiers"):
             parts += [f"Write policies on {name}:", _tiers_table(body["tiers"])]
+    if data.get("margin"):
+        worst = min(data["margin"], key=lambda r: r["margin"])
+        parts += [f"\nDefault policy less LRU (served share, points) at {len(data['margin'])} "
+                  f"capacities; worst {100 * worst['margin']:+.2f} ({worst['trace']}, "
+                  f"{worst['tokens'] / 1e6:.3g}M):", _margin_table(data["margin"])]
     parts += ["\nWrite policies on device + host + disk:", _tiers_table(data["tiers"]),
               "\nPolicy overhead (single tier, 3M tokens): per method inside the timed replay, and "
               "the replay's exact call stream re-run alone:",

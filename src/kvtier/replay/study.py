@@ -33,6 +33,10 @@ HALF_TOKENS: tuple[int, ...] = (1_000_000, 3_000_000, 10_000_000)
 #: LRU shares the trace's README publishes (single tier), to validate the replay against.
 PUBLISHED_LRU: dict[int, float] = {1_000_000: 0.054, 3_000_000: 0.138, 10_000_000: 0.291}
 SYNTHETIC_FRACTIONS: tuple[float, ...] = (0.02, 0.05, 0.1, 0.2)
+#: the default policy against LRU: every curve capacity on each held-out half, and these
+#: shares of its unique blocks on each synthetic workload.
+DEFAULT_POLICY = "shadow"
+MARGIN_FRACTIONS: tuple[float, ...] = (0.01, 0.02, 0.05, 0.1, 0.2, 0.4)
 TIER_CONFIGS: tuple[tuple[int, int, int], ...] = ((500_000, 1_000_000, 10_000_000),
                                                    (1_000_000, 3_000_000, 20_000_000))
 #: device + host + disk as shares of a synthetic workload's unique blocks (the first
@@ -79,6 +83,31 @@ def synthetic_curves(bar: Progress, shape: synthetic.Shape) -> dict[str, Any]:
                      "tiers": [r.to_dict() | {"disk_write_bytes_per_s": write_rates(r, trace)}
                                for r in runs]}
     return out
+
+
+def default_margin(trace: Trace, bar: Progress,
+                   shape: synthetic.Shape) -> list[dict[str, Any]]:
+    """The default policy's served share less LRU's at every capacity of the curve on both
+    held-out halves of ``trace``, and at ``MARGIN_FRACTIONS`` of each synthetic workload's
+    unique blocks: one row per (trace, capacity)."""
+    cases: list[tuple[Trace, list[int]]] = [(trace.part(i, 2), list(CURVE_TOKENS))
+                                            for i in range(2)]
+    for name in synthetic.GENERATORS:
+        made = synthetic.make(name, shape)
+        cases.append((made, [max(int(made.unique_blocks() * f), 2) * made.block_tokens
+                             for f in MARGIN_FRACTIONS]))
+    rows = []
+    for part, capacities in cases:
+        for tokens in capacities:
+            share = {}
+            for policy in ("lru", DEFAULT_POLICY):
+                config = ReplayConfig(tokens, policy=policy, block_tokens=part.block_tokens)
+                with bar(part, f"margin {policy} {tokens / 1e6:g}M") as b:
+                    share[policy] = replay(part, config, progress=b.update).served_share
+            rows.append({"trace": part.name, "tokens": tokens, "lru": share["lru"],
+                         "default": share[DEFAULT_POLICY],
+                         "margin": share[DEFAULT_POLICY] - share["lru"]})
+    return rows
 
 
 def tier_runs(trace: Trace, bar: Progress,
@@ -162,6 +191,7 @@ def run_study(trace: Trace, out_dir: str | Path, progress: bool = True,
     data["held_out"] = {trace.part(i, 2).name: capacity_curve(trace.part(i, 2), HALF_TOKENS, bar)
                         for i in range(2)}
     data["synthetic"] = synthetic_curves(bar, shape or synthetic.Shape())
+    data["margin"] = default_margin(trace, bar, shape or synthetic.Shape())
     tiers = tier_runs(trace, bar)
     data["tiers"] = [r.to_dict() | {"disk_write_bytes_per_s": write_rates(r, trace)}
                      for r in tiers]
