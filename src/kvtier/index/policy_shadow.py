@@ -199,7 +199,7 @@ class ShadowPolicy(EvictionPolicy):
         ghosts = self._ghosts
         limit = self.clock - self.history * max(self.held, 1.0)
         excess = len(ghosts) - GHOSTS
-        expired = []
+        expired: list[bytes] = []
         for key, (_, left) in ghosts.items():   # insertion order: the oldest ghost first
             if left >= limit and len(expired) >= excess:
                 break

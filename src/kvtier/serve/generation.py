@@ -3,8 +3,9 @@
 Owns ``stream_text``: it submits a ``GenerationRequest`` with a sink that hands engine events to
 the event loop, turns each token id into a text increment (``Detokenizer``; possibly empty),
 cuts at stop strings (``StopMatcher``), cancels the engine's work when the stream ends early
-(stop string, client gone), finishes with a ``Done`` carrying the finish reason and the OpenAI usage block, and
-logs one line per request when it ends, whatever ended it (``serve.logs.request_line``).
+(stop string, client gone), finishes with a ``Done`` carrying the finish reason and the OpenAI
+usage block, and logs one line per request when it ends, whatever ended it
+(``serve.logs.request_line``).
 Runs on the server's event loop; the engine runs on its own thread.
 """
 
