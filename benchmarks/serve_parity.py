@@ -47,16 +47,39 @@ def _service(lm: Any, args: argparse.Namespace, dtype: str, page_size: int, cach
                                split=args.split if cache else "plan")
 
 
-def _run(service: EngineService, batch: list[list[int]], new: int,
-         served: dict[str, int] | None = None) -> list[list[int]]:
-    """Greedy tokens of each prompt; ``served`` adds up the cached tokens by tier."""
+class FirstLogits:
+    """Records each request's first-token logits as the engine chooses from them (a wrapper
+    around ``Engine._choose`` on the engine thread), by request id."""
+
+    def __init__(self, service: EngineService) -> None:
+        self.by_id: dict[str, torch.Tensor] = {}
+        engine = service.engine
+        choose = engine._choose
+
+        def recording(planned: Any, logits: torch.Tensor, done: list[int]) -> list[int]:
+            for i in done:
+                seq = planned[i][0]
+                if seq.generated == 0:
+                    self.by_id[seq.request.request_id] = logits[i].float().cpu()
+            return choose(planned, logits, done)
+        engine._choose = recording
+
+
+Run = tuple[list[int], torch.Tensor]
+
+
+def _run(service: EngineService, recorder: FirstLogits, batch: list[list[int]], new: int,
+         served: dict[str, int] | None = None) -> list[Run]:
+    """Greedy tokens and first-token logits of each prompt; ``served`` adds up the cached
+    tokens by tier."""
     handles = [service.submit(GenerationRequest(tuple(p), new)) for p in batch]
     results = [h.result(timeout=1800) for h in handles]
     for _, finish in results:
         for tier, tokens in finish.prefill.cached_by_tier.items():
             if served is not None:
                 served[tier] = served.get(tier, 0) + tokens
-    return [tokens for tokens, _ in results]
+    return [(tokens, recorder.by_id.pop(h.request.request_id))
+            for h, (tokens, _) in zip(handles, results, strict=True)]
 
 
 def _drop(service: EngineService, tiers: tuple[str, ...]) -> None:
@@ -68,29 +91,31 @@ def run_cell(args: argparse.Namespace, arch: str, dtype: str, page_size: int) ->
     paged.install(lm.model)                  # as hf.load_model does
     pairs = prompts(args.prompts, args.prompt_tokens, args.seed)
     plain = _service(lm, args, dtype, page_size, False, 1)
+    plain_logits = FirstLogits(plain)
     try:
-        wants = [_run(plain, [p], args.new_tokens)[0] for p, _ in pairs]
+        wants = [_run(plain, plain_logits, [p], args.new_tokens)[0] for p, _ in pairs]
     finally:
         plain.close()
-    got: dict[str, list[list[int]]] = {"device": [], "host": []}
+    got: dict[str, list[Run]] = {"device": [], "host": []}
     served: dict[str, dict[str, int]] = {"device": {}, "host": {}, "disk": {}, "batched": {}}
     if args.disk:
         got["disk"] = []
         shutil.rmtree(args.disk, ignore_errors=True)
     cached = _service(lm, args, dtype, page_size, True, max(1, len(pairs)))
+    logits = FirstLogits(cached)
     try:
         for prompt, sibling in pairs:
             _drop(cached, ("device", "host"))
-            _run(cached, [sibling], 1)
-            got["device"].append(_run(cached, [prompt], args.new_tokens, served["device"])[0])
+            _run(cached, logits, [sibling], 1)
+            got["device"].append(_run(cached, logits, [prompt], args.new_tokens, served["device"])[0])
             _drop(cached, ("device",))
-            got["host"].append(_run(cached, [prompt], args.new_tokens, served["host"])[0])
+            got["host"].append(_run(cached, logits, [prompt], args.new_tokens, served["host"])[0])
             if args.disk:   # the store's copy, through the hybrid split the planner chooses
                 _drop(cached, ("device", "host"))
-                got["disk"].append(_run(cached, [prompt], args.new_tokens, served["disk"])[0])
+                got["disk"].append(_run(cached, logits, [prompt], args.new_tokens, served["disk"])[0])
         _drop(cached, ("device", "host"))
-        _run(cached, [s for _, s in pairs], 1)
-        got["batched"] = _run(cached, [p for p, _ in pairs], args.new_tokens, served["batched"])
+        _run(cached, logits, [s for _, s in pairs], 1)
+        got["batched"] = _run(cached, logits, [p for p, _ in pairs], args.new_tokens, served["batched"])
     finally:
         cached.close()
     del plain, cached   # their device pools go before the next cell sizes its own
@@ -99,13 +124,19 @@ def run_cell(args: argparse.Namespace, arch: str, dtype: str, page_size: int) ->
         torch.cuda.empty_cache()
     cells = []
     for tier, rows in got.items():
-        same = sum(a == b for a, b in zip(rows, wants, strict=True))
-        firsts = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), -1)
-                  for a, b in zip(rows, wants, strict=True)]
+        pairs_ = list(zip(rows, wants, strict=True))
+        same = sum(a[0] == b[0] for a, b in pairs_)
+        firsts = [next((i for i, (x, y) in enumerate(zip(a[0], b[0], strict=True)) if x != y),
+                       -1) for a, b in pairs_]
+        deltas = [float((a[1] - b[1]).abs().max()) for a, b in pairs_]
         cells.append({"arch": arch, "dtype": dtype, "page_size": page_size, "tier": tier,
                       "prompts": len(rows), "identical_share": round(same / len(rows), 4),
                       "identical": same == len(rows), "cached_tokens_by_tier": served[tier],
-                      "first_divergent": [f for f in firsts if f >= 0][:20]})
+                      "first_divergent": [f for f in firsts if f >= 0][:20],
+                      "first_logits_bit_identical_share": round(
+                          sum(torch.equal(a[1], b[1]) for a, b in pairs_) / len(rows), 4),
+                      "max_abs_dlogit": max(deltas),
+                      "mean_abs_dlogit": sum(deltas) / len(deltas)})
     return cells
 
 
@@ -136,8 +167,11 @@ def main() -> int:
                 cells += run_cell(args, arch, dtype, page)
                 _write(args, cells)      # after every cell: a run cut short keeps what it did
     rows = [[c["arch"], c["dtype"], c["page_size"], c["tier"], c["prompts"],
-             f"{100 * c['identical_share']:.1f} %", c["identical"]] for c in cells]
-    text = format_table(["arch", "dtype", "page", "hit", "prompts", "identical", "all"], rows)
+             f"{100 * c['identical_share']:.1f} %", c["identical"],
+             f"{100 * c['first_logits_bit_identical_share']:.1f} %",
+             f"{c['max_abs_dlogit']:.3g}"] for c in cells]
+    text = format_table(["arch", "dtype", "page", "hit", "prompts", "identical", "all",
+                         "logits bit-identical", "max |dlogit|"], rows)
     print(text)
     _write(args, cells, text)
     return 0
