@@ -93,10 +93,7 @@ class StaticDecode:
         """Nothing is in flight: rows with a host copy pending never run here."""
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        heads, dim = self.pool.shape[4], self.pool.shape[5]
-        for part, new in enumerate((key, value)):
-            flat = self.pool[layer, part].view(-1, heads, dim)
-            flat.index_copy_(0, self.slots, new[0].transpose(0, 1).to(flat.dtype))
+        paged.write_slots(self.pool, layer, self.slots, key, value)
 
     def attend(self, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """``query`` ``[1, heads, bucket, dim]`` over each row's pages: ``[1, bucket, heads, dim]``."""

@@ -108,10 +108,7 @@ class PagedBatch:
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store the step's new ``key``/``value`` (``[1, kv_heads, T, dim]``) in their slots."""
-        heads, dim = self.pool.shape[4], self.pool.shape[5]
-        for part, new in enumerate((key, value)):
-            flat = self.pool[layer, part].view(-1, heads, dim)
-            flat.index_copy_(0, self.slots, new[0].transpose(0, 1).to(flat.dtype))
+        write_slots(self.pool, layer, self.slots, key, value)
 
     def wait_for_layer(self, layer: int) -> None:
         for ticket in self.tickets:
@@ -148,6 +145,16 @@ class PagedBatch:
                 enable_gqa=True)
             out[0, first:first + count] = attended[0].transpose(0, 1)
         return out
+
+
+def write_slots(pool: torch.Tensor, layer: int, slots: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor) -> None:
+    """Write a layer's new ``key``/``value`` (``[1, kv_heads, T, dim]``) into the pool at
+    ``slots`` (``[T]``: page * page_size + offset), one ``index_copy_`` per part."""
+    heads, dim = pool.shape[4], pool.shape[5]
+    for part, new in enumerate((key, value)):
+        flat = pool[layer, part].view(-1, heads, dim)
+        flat.index_copy_(0, slots, new[0].transpose(0, 1).to(flat.dtype))
 
 
 def causal_mask(queries: int, keys: int, device: torch.device) -> torch.Tensor:
