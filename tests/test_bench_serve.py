@@ -59,3 +59,17 @@ def test_a_run_against_a_server_reports_hits_and_writes_json(tmp_path, capsys):
     assert run["failed"] == 0 and run["generated_tokens"] == 30
     assert run["cached_share"]["device"] > 0 and run["ttft_ms_p50"] > 0
     assert "kvtier" in capsys.readouterr().out and "machine" in result
+
+
+def test_every_token_chunk_is_timed_even_with_empty_text():
+    from kvtier.commands import serve_load
+
+    def chunk(text, finish=None):
+        return ("data: " + json.dumps({"choices": [{"text": text, "finish_reason": finish}]})
+                ).encode()
+    lines = [chunk(""), chunk("a"), chunk(""), chunk("", "length"),
+             b'data: {"choices": [], "usage": {"completion_tokens": 3}}', b"data: [DONE]"]
+    result = RequestResult(ok=True, prompt_tokens=4)
+    serve_load._read_stream(iter(lines), result, 0.0)
+    assert result.ttft_s is not None and len(result.itl_s) == 2
+    assert result.completion_tokens == 3

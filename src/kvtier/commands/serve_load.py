@@ -104,7 +104,9 @@ def _read_stream(response: Any, result: RequestResult, started: float) -> None:
             result.completion_tokens = int(usage.get("completion_tokens", 0))
             by_tier = (usage.get("kvtier") or {}).get("cached_tokens_by_tier") or {}
             result.cached_by_tier = {t: int(by_tier.get(t, 0)) for t in TIERS}
-        if any(choice.get("text") for choice in chunk.get("choices") or ()):
+        # A token's chunk: the server sends one per generated token, its text possibly empty
+        # (incomplete UTF-8, a held-back stop string); the closing chunk has a finish_reason.
+        if any(choice.get("finish_reason") is None for choice in chunk.get("choices") or ()):
             now = time.perf_counter()
             if last is None:
                 result.ttft_s = now - started
