@@ -79,14 +79,16 @@ def make_request(tokens: list[int], block_size: int, salt: str | None = None,
                    block_hasher=get_request_block_hasher(block_size, sha256))
 
 
-def runner_output(scheduler_output: Any, invalid_block_ids: set[int] | None = None) -> Any:
+def runner_output(scheduler_output: Any, invalid_block_ids: set[int] | None = None,
+                  finished_sending: set[str] | None = None) -> Any:
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
     req_ids = list(scheduler_output.num_scheduled_tokens)
     return ModelRunnerOutput(
         req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
         sampled_token_ids=[[7] for _ in req_ids],
-        kv_connector_output=KVConnectorOutput(invalid_block_ids=invalid_block_ids or set()))
+        kv_connector_output=KVConnectorOutput(invalid_block_ids=invalid_block_ids or set(),
+                                              finished_sending=finished_sending))
 
 
 def fill_kvtier(runtime: Any, tokens: list[int], salt: str | None = None, seed: int = 0) -> None:

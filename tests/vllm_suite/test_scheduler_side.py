@@ -159,7 +159,8 @@ def test_rows_saved_from_vllm_blocks_load_back_into_other_blocks_exactly(schedul
     saving = KvtierConnectorMetadata(saves=[SaveSpec("w", tuple(tokens), None, (5, 9, 2))])
     for name, kv in source.items():
         worker.save_kv_layer(saving, name, kv)
-    worker.wait_for_save()
+    worker.wait_for_save(saving)
+    assert runtime.saver.drain(30.0)
     assert runtime.counts["saved_tokens"] == 96
     (event,) = scheduler.connector.take_events()
     assert type(event).__name__ == "BlockStored" and event.medium == "kvtier"
@@ -173,7 +174,7 @@ def test_rows_saved_from_vllm_blocks_load_back_into_other_blocks_exactly(schedul
     worker.start_load_kv(KvtierConnectorMetadata(loads=[LoadSpec("r", 0, 95, (7, 3, 11))]))
     for name in target:
         worker.wait_for_layer_load(name)
-    worker.wait_for_save()
+    worker.wait_for_save(KvtierConnectorMetadata())
     layout = BlockLayout("cpu", 64, BLOCK, 2, 32)
     old = torch.cat([torch.arange(b * BLOCK, (b + 1) * BLOCK) for b in (5, 9, 2)])[:95]
     new = torch.cat([torch.arange(b * BLOCK, (b + 1) * BLOCK) for b in (7, 3, 11)])[:95]

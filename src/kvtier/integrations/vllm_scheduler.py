@@ -12,7 +12,9 @@ request later (vLLM 0.32's default ``kv_load_failure_policy`` ends a request on 
 error). The worker half then only copies staged rows into vLLM's blocks, layer by layer.
 
 A request's prompt is stored once, in the step its prefill completes (every full kvtier page
-of it; decode tokens are not stored), unless kvtier already held all of it.
+of it; decode tokens are not stored), unless kvtier already held all of it; the copy runs after
+the step on the runtime's saver thread, so ``request_finished`` keeps the request's blocks
+until it is over, and a preempted request is stored again once it resumes.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ class SaveSpec:
 class KvtierConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    #: Requests vLLM preempted this step: their blocks are reused before the forward.
+    preempted: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -83,7 +87,9 @@ class SchedulerSide:
         tracked = self._tracked.setdefault(request.request_id, _Tracked(request))
         prompt = list(request.prompt_token_ids or ())
         limit = len(prompt) - 1          # vLLM computes at least the last prompt token
+        waited = time.perf_counter()
         with rt.lock:
+            rt.counts["lookup_lock_wait_us"] += int((time.perf_counter() - waited) * 1e6)
             loaded = rt.staged.get(request.request_id)
             if loaded is None:
                 loaded = self._stage(tracked, prompt, request.cache_salt, num_computed_tokens)
@@ -140,10 +146,19 @@ class SchedulerSide:
 
     # ---- each step -------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> KvtierConnectorMetadata:
-        with self.runtime.lock:
-            self.runtime.cache.poll()
-        meta = KvtierConnectorMetadata(loads=self._loads)
+        lock = self.runtime.lock
+        if lock.acquire(blocking=False):    # the saver may be committing: it polls then too
+            try:
+                self.runtime.cache.poll()
+            finally:
+                lock.release()
+        meta = KvtierConnectorMetadata(loads=self._loads,
+                                       preempted=sorted(scheduler_output.preempted_req_ids or ()))
         self._loads = []
+        for req_id in meta.preempted:       # its save may be cancelled: save it once it resumes
+            tracked = self._tracked.get(req_id)
+            if tracked is not None:
+                tracked.stored = False
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._tracked.get(new.req_id)
             if tracked is not None:
@@ -180,10 +195,11 @@ class SchedulerSide:
                                    blocks))
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, None]:
-        """Saves copy out of vLLM's blocks inside the step, so the blocks are free at once."""
+        """vLLM keeps the blocks (True) while a save still copies out of them; the worker's
+        ``get_finished`` says when they are free."""
         self._tracked.pop(request.request_id, None)
         self.runtime.release_staged(request.request_id)
-        return False, None
+        return self.runtime.saver.hold_blocks(request.request_id), None
 
 
 def _sources(tokens_by_tier: dict[str, int], start: int, end: int) -> dict[CacheHitSource, int]:
