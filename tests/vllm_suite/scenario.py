@@ -70,10 +70,11 @@ def _connector_stats() -> dict[str, Any]:
 def _run_step(llm: Any, counter: _Counter, step: dict[str, Any]) -> list[dict[str, Any]]:
     from vllm import SamplingParams
 
-    params = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0.0,
-                            ignore_eos=True)
+    sampling = {"max_tokens": step.get("max_tokens", 8), "temperature": 0.0, "ignore_eos": True}
     results = []
     for prompt in step["prompts"]:
+        extra = {"kv_transfer_params": {"kvtier_cache": False}} if prompt.get("kvtier_off") else None
+        params = SamplingParams(**sampling, extra_args=extra)
         request: dict[str, Any] = {"prompt_token_ids": prompt["tokens"]}
         if prompt.get("salt"):
             request["cache_salt"] = prompt["salt"]
@@ -83,6 +84,7 @@ def _run_step(llm: Any, counter: _Counter, step: dict[str, Any]) -> list[dict[st
         results.append({"tokens": list(out.outputs[0].token_ids),
                         "num_cached_tokens": out.num_cached_tokens or 0,
                         "computed_tokens": counter.tokens - before,
+                        "kvtier_off": bool(prompt.get("kvtier_off")),
                         "seconds": time.perf_counter() - started,
                         "cpu_seconds": _cpu_seconds() - cpu})
     return results

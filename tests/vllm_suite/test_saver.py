@@ -37,6 +37,13 @@ def _scheduler(model: Path, tmp: Path, **extra):
     return make_scheduler(config, make_kv_cache_config(BLOCK))
 
 
+@pytest.fixture(autouse=True)
+def _open_gates():
+    yield
+    while _Gate.opened:
+        _Gate.opened.pop().open()
+
+
 @pytest.fixture
 def scheduler(tiny_model: Path, tmp_path: Path):
     sched = _scheduler(tiny_model, tmp_path)
@@ -54,12 +61,15 @@ def _worker(runtime):
 
 
 class _Gate:
-    """Parks the saver thread on a call until ``open``."""
+    """Parks the saver thread on a call until ``open`` (at the latest when the test ends)."""
+
+    opened: list[_Gate] = []
 
     def __init__(self, saver) -> None:
         self.event = threading.Event()
-        self.thread = threading.Thread(target=saver.call, args=(self.event.wait,))
+        self.thread = threading.Thread(target=saver.call, args=(self.event.wait,), daemon=True)
         self.thread.start()
+        _Gate.opened.append(self)
         time.sleep(0.05)
 
     def open(self) -> None:
@@ -201,3 +211,26 @@ def test_the_saver_and_kvtiers_io_threads_run_at_idle_priority(tiny_model, tmp_p
 def test_a_bad_saver_setting_is_refused_at_start(tiny_model, tmp_path, key, value):
     with pytest.raises(ConfigError, match=key):
         _scheduler(tiny_model, tmp_path, **{key: value})
+
+
+def test_a_finished_requests_generated_pages_are_stored_with_its_prompt(scheduler):
+    from vllm.v1.request import RequestStatus
+
+    runtime = scheduler.connector.runtime
+    worker = _worker(runtime)
+    request = make_request(_prompt(40, 700), BLOCK, max_tokens=30)   # 1 prompt page, 2 in all
+    scheduler.add_request(request)
+    gate = None
+    while not RequestStatus.is_finished(request.status):
+        out = scheduler.schedule()
+        worker.wait_for_save(out.kv_connector_metadata)
+        scheduler.update_from_output(out, runner_output(out))
+        gate = gate or _Gate(runtime.saver)
+    assert request.request_id in scheduler.requests          # kept for the finish-time save
+    gate.open()
+    assert runtime.drain(30.0)
+    tokens = list(request.all_token_ids)
+    assert runtime.counts["generated_saves"] == 1
+    assert runtime.cache.match(tokens[:64]).tokens == 64      # prompt and output pages
+    assert runtime.counts["saved_tokens"] == 32 + 32        # the prompt page was held: reused
+    assert worker.get_finished({request.request_id}) == {request.request_id}

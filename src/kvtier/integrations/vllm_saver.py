@@ -192,6 +192,11 @@ class Saver:
 
     def _run(self, job: _Job) -> None:
         copier = self.copier
+        if copier is None:              # vLLM registered no KV tensors: nothing to copy from
+            self._stop_reading(job)
+            with self._cond:
+                self.counts["saves_without_kv_tensors"] += 1
+            return
         try:
             if job.save is None and not job.cancelled:
                 job.save = copier.plan(job.spec, job.handles)

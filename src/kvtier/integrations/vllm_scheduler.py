@@ -12,7 +12,8 @@ request later (vLLM 0.32's default ``kv_load_failure_policy`` ends a request on 
 error). The worker half then only copies staged rows into vLLM's blocks, layer by layer.
 
 A request's prompt is stored once, in the step its prefill completes (every full kvtier page
-of it; decode tokens are not stored), unless kvtier already held all of it; the copy runs after
+of it), unless kvtier already held all of it, and again when the request finishes if its
+output filled more pages (prompt and output together); the copy runs after
 the step on the runtime's saver thread, so ``request_finished`` keeps the request's blocks
 until it is over, and a preempted request is stored again once it resumes.
 """
@@ -33,6 +34,10 @@ TIER_SOURCES: dict[str, CacheHitSource] = {
     "device": CacheHitSource.HOST, "host": CacheHitSource.HOST,
     "disk": CacheHitSource.DISK, "remote": CacheHitSource.EXTERNAL_UNSPECIFIED,
 }
+
+
+#: A request's ``kv_transfer_params`` key: False keeps kvtier out of that request.
+OPT_OUT_KEY = "kvtier_cache"
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,7 @@ class _Tracked:
     sources: dict[CacheHitSource, int] = field(default_factory=dict)
     stored: bool = False
     held: int = 0                                  # prompt tokens kvtier staged (it holds them)
+    off: bool = False                              # the request opted out of kvtier
 
 
 class SchedulerSide:
@@ -85,6 +91,9 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         rt = self.runtime
         tracked = self._tracked.setdefault(request.request_id, _Tracked(request))
+        if tracked.off or self._opted_out(request):
+            tracked.off = True
+            return 0, False
         prompt = list(request.prompt_token_ids or ())
         limit = len(prompt) - 1          # vLLM computes at least the last prompt token
         waited = time.perf_counter()
@@ -120,6 +129,17 @@ class SchedulerSide:
         tracked.held = loaded.tokens
         rt.staged[tracked.request.request_id] = loaded
         return loaded
+
+    def _opted_out(self, request: Any) -> bool:
+        """``kv_transfer_params={"kvtier_cache": False}``: neither look up nor store it."""
+        params = request.kv_transfer_params
+        value = params.get(OPT_OUT_KEY, True) if isinstance(params, dict) else True
+        if not isinstance(value, bool):
+            self.runtime.counts["bad_kvtier_cache_params"] += 1   # ignored, counted
+            return False
+        if not value:
+            self.runtime.counts["requests_opted_out"] += 1
+        return not value
 
     def get_external_cache_hit_sources(self, request: Any,
                                        num_external_tokens: int) -> dict[CacheHitSource, int]:
@@ -183,7 +203,7 @@ class SchedulerSide:
                     scheduled: int) -> None:
         request = tracked.request
         prompt = request.prompt_token_ids or ()
-        if tracked.stored or computed + scheduled < len(prompt):
+        if tracked.off or tracked.stored or computed + scheduled < len(prompt):
             return
         tracked.stored = True
         full = len(prompt) // self.runtime.page_size * self.runtime.page_size
@@ -195,11 +215,29 @@ class SchedulerSide:
                                    blocks))
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, None]:
-        """vLLM keeps the blocks (True) while a save still copies out of them; the worker's
-        ``get_finished`` says when they are free."""
-        self._tracked.pop(request.request_id, None)
+        """Store the full pages the generated tokens added (a chat's next turn starts with
+        them), then have vLLM keep the blocks (True) while a save still copies out of them;
+        the worker's ``get_finished`` says when they are free."""
+        tracked = self._tracked.pop(request.request_id, None)
         self.runtime.release_staged(request.request_id)
+        if tracked is not None and tracked.stored and not tracked.off:
+            self._save_generated(request, list(block_ids or ()))
         return self.runtime.saver.hold_blocks(request.request_id), None
+
+    def _save_generated(self, request: Any, block_ids: list[int]) -> None:
+        """Queue a save of every full page of prompt and output whose KV vLLM computed, when
+        the output filled at least one page past the prompt's. The saver reads the blocks
+        after this step, whose forward has finished (its tokens were sampled)."""
+        page, block = self.runtime.page_size, self.runtime.shape.block_size
+        prompt = len(request.prompt_token_ids or ())
+        computed = min(request.num_computed_tokens, len(request.all_token_ids))
+        full = computed // page * page
+        if full // page <= prompt // page or -(-full // block) > len(block_ids):
+            return
+        spec = SaveSpec(request.request_id, tuple(request.all_token_ids[:full]),
+                        request.cache_salt, tuple(block_ids[: -(-full // block)]))
+        self.runtime.counts["generated_saves"] += 1
+        self.runtime.saver.submit(request.request_id, spec=spec)
 
 
 def _sources(tokens_by_tier: dict[str, int], start: int, end: int) -> dict[CacheHitSource, int]:
