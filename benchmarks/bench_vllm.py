@@ -21,8 +21,9 @@ request's wall time is its TTFT:
 Each process first runs one warm-up prompt that is not counted. Reports medians per case; the
 miss-path overhead as stored misses against the opted-out requests interleaved with them
 (requests back to back, so a save still running when the next request starts competes with it;
-the interleaving cancels the drift of a shared machine's load, which separate processes do not),
-and also against vLLM alone; the write path's cost per stored request: the process CPU time of
+the interleaving cancels the drift of a shared machine's load, which separate processes do not,
+but background work a save leaves behind slows both groups alike, so only the comparison with
+vLLM alone includes it); the write path's cost per stored request: the process CPU time of
 the mixed step and of the wait after it, less the opted-out requests' median per request
 (every thread: saver, IO, OpenMP), and the saver thread's own CPU time in its layer copies and
 commits (from the connector's counters). The load average is recorded before and after: on a
