@@ -11,20 +11,32 @@ from kvtier.transfer.reference import reference_copy
 from transfer_support import make_pools, part_by_part, snapshot
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=3, dtype="bfloat16", page_size=5)
+#: Parts of 80 bytes, which the reference moves as 8-byte words (LAYOUT's 60 go byte by byte).
+WORD_LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, dtype="bfloat16", page_size=5)
 
 
 def _run_both(direction: str, host_layout: str, src: list[int], dst: list[int],
-              layers: range | None) -> tuple[tuple, tuple, tuple]:
-    dev, host = make_pools(LAYOUT, 6, 7, host_layout, seed=3)
-    want_dev, want_host = make_pools(LAYOUT, 6, 7, host_layout, seed=3)
+              layers: range | None, layout: KVLayout = LAYOUT) -> tuple[tuple, tuple, tuple]:
+    dev, host = make_pools(layout, 6, 7, host_layout, seed=3)
+    want_dev, want_host = make_pools(layout, 6, 7, host_layout, seed=3)
     before = snapshot(dev, host)
-    dg, hg = device_geometry(LAYOUT, 6), host_geometry(LAYOUT, 7, host_layout)
+    dg, hg = device_geometry(layout, 6), host_geometry(layout, 7, host_layout)
     geos = (hg, dg) if direction == "load" else (dg, hg)
     plan = make_plan(direction, *geos, src, dst, layers)
     reference_copy(plan, dev.kv, host.buffer, host_layout)
     part_by_part(direction, want_dev, want_host, src, dst,
-                 layers if layers is not None else range(LAYOUT.num_layers))
+                 layers if layers is not None else range(layout.num_layers))
     return snapshot(dev, host), snapshot(want_dev, want_host), before
+
+
+@pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
+@pytest.mark.parametrize("direction", ["load", "store"])
+def test_reference_moving_whole_words_matches_part_by_part_copy(host_layout: str,
+                                                                direction: str) -> None:
+    got, want, before = _run_both(direction, host_layout, [1, 4, 5], [3, 2, 0], range(1, 3),
+                                  WORD_LAYOUT)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert not (torch.equal(got[0], before[0]) and torch.equal(got[1], before[1]))
 
 
 @pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])

@@ -4,8 +4,10 @@
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, capped KV memory, eager), optionally with kvtier's
 connector, generates greedily for the spec's prompts (token ids, optional ``cache_salt``), and
 writes per request the output tokens, vLLM's ``num_cached_tokens``, the prompt tokens the model
-really ran through its embedding (a forward hook), and the connector's counters. Run as a
-script only: vLLM changes torch's thread count in the process that hosts it.
+really ran through its embedding (a forward hook), its wall time and the process's CPU time
+over it, and the connector's counters. Actions between steps: kill a process (Redis), or wait
+for the connector's queued saves and IO (``drain_connector``: seconds). Run as a script only:
+vLLM changes torch's thread count in the process that hosts it.
 """
 
 from __future__ import annotations
@@ -68,20 +70,23 @@ def _connector_stats() -> dict[str, Any]:
 def _run_step(llm: Any, counter: _Counter, step: dict[str, Any]) -> list[dict[str, Any]]:
     from vllm import SamplingParams
 
-    params = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0.0,
-                            ignore_eos=True)
+    sampling = {"max_tokens": step.get("max_tokens", 8), "temperature": 0.0, "ignore_eos": True}
     results = []
     for prompt in step["prompts"]:
+        extra = {"kv_transfer_params": {"kvtier_cache": False}} if prompt.get("kvtier_off") else None
+        params = SamplingParams(**sampling, extra_args=extra)
         request: dict[str, Any] = {"prompt_token_ids": prompt["tokens"]}
         if prompt.get("salt"):
             request["cache_salt"] = prompt["salt"]
         before = counter.tokens
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), _cpu_seconds()
         out = llm.generate([request], params, use_tqdm=False)[0]
         results.append({"tokens": list(out.outputs[0].token_ids),
                         "num_cached_tokens": out.num_cached_tokens or 0,
                         "computed_tokens": counter.tokens - before,
-                        "seconds": time.perf_counter() - started})
+                        "kvtier_off": bool(prompt.get("kvtier_off")),
+                        "seconds": time.perf_counter() - started,
+                        "cpu_seconds": _cpu_seconds() - cpu})
     return results
 
 
@@ -92,20 +97,36 @@ def main(spec_path: str, out_path: str) -> None:
     counter = _Counter()
     _install_counter(llm, counter)
     out: dict[str, Any] = {"load_seconds": time.perf_counter() - started, "steps": []}
+    out["actions"] = []
     for step in spec["steps"]:
         if step.get("action"):
-            _act(step["action"])
+            out["actions"].append(_act(step["action"]))
             continue
         out["steps"].append(_run_step(llm, counter, step))
     out["connector"] = _connector_stats()
     Path(out_path).write_text(json.dumps(out))
 
 
-def _act(action: dict[str, Any]) -> None:
-    """Side effects between steps, e.g. stopping the Redis server the remote tier uses."""
+def _cpu_seconds() -> float:
+    """CPU time of this process so far, every thread (user + system)."""
+    times = os.times()
+    return times.user + times.system
+
+
+def _act(action: dict[str, Any]) -> dict[str, Any]:
+    """Side effects between steps: stop the Redis server the remote tier uses, or wait for the
+    connector's background work; returns what it measured."""
+    started, cpu = time.perf_counter(), _cpu_seconds()
+    done = True
     if action.get("kill_pid"):
         os.kill(int(action["kill_pid"]), 9)
         time.sleep(0.2)
+    if action.get("drain_connector"):
+        from kvtier.integrations.vllm_runtime import runtimes
+
+        done = all(r.drain(float(action["drain_connector"])) for r in runtimes())
+    return {"done": done, "seconds": time.perf_counter() - started,
+            "cpu_seconds": _cpu_seconds() - cpu}
 
 
 if __name__ == "__main__":

@@ -66,27 +66,30 @@ def make_scheduler(vllm_config: Any, kv_cache_config: Any) -> Any:
 
 
 def make_request(tokens: list[int], block_size: int, salt: str | None = None,
-                 max_tokens: int = 4) -> Any:
+                 max_tokens: int = 4, kv_transfer_params: Any = None) -> Any:
     from vllm import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
     init_none_hash(sha256)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    extra = None if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, extra_args=extra)
     return Request(request_id=f"req-{next(_ids)}", prompt_token_ids=list(tokens),
                    sampling_params=params, pooling_params=None, cache_salt=salt,
                    block_hasher=get_request_block_hasher(block_size, sha256))
 
 
-def runner_output(scheduler_output: Any, invalid_block_ids: set[int] | None = None) -> Any:
+def runner_output(scheduler_output: Any, invalid_block_ids: set[int] | None = None,
+                  finished_sending: set[str] | None = None) -> Any:
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
     req_ids = list(scheduler_output.num_scheduled_tokens)
     return ModelRunnerOutput(
         req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
         sampled_token_ids=[[7] for _ in req_ids],
-        kv_connector_output=KVConnectorOutput(invalid_block_ids=invalid_block_ids or set()))
+        kv_connector_output=KVConnectorOutput(invalid_block_ids=invalid_block_ids or set(),
+                                              finished_sending=finished_sending))
 
 
 def fill_kvtier(runtime: Any, tokens: list[int], salt: str | None = None, seed: int = 0) -> None:

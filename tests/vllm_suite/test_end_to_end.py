@@ -23,6 +23,8 @@ STORED = 256                 # full pages of each prompt
 PROMPTS = prompts(3, PROMPT_TOKENS, seed=7)
 A, B, C = ({"tokens": p} for p in PROMPTS)
 A_OTHER_TENANT = {"tokens": PROMPTS[0], "salt": "tenant-b"}
+#: Prompts are stored after their step, on the connector's saver thread: wait for it.
+DRAIN = {"action": {"drain_connector": 120}}
 
 #: Four engine processes of ~25 s each on an idle 2-core machine; far more on a loaded one.
 pytestmark = [pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed"),
@@ -42,7 +44,7 @@ def runs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
         tiers = {"disk_url": f"file://{work / 'disk'}", "remote_url": server.url(),
                  "host_pool_bytes": "64MiB", "remote_timeout_s": 0.5}
         out = {"reference": run_scenario(_spec(tiny_model, None, [A, B, C, A_OTHER_TENANT]), work)}
-        out["store"] = run_scenario(_spec(tiny_model, tiers, [A, B]), work)
+        out["store"] = run_scenario(_spec(tiny_model, tiers, [A, B], DRAIN), work)
         out["load"] = run_scenario(_spec(
             tiny_model, tiers, [A, A_OTHER_TENANT], {"action": {"kill_pid": server.process.pid}},
             [B, C]), work)
@@ -74,7 +76,9 @@ def _tokens(run: dict[str, Any], step: int = 0) -> list[list[int]]:
 
 def test_connector_does_not_change_greedy_output_of_a_store_run(runs):
     assert _tokens(runs["store"]) == _tokens(runs["reference"])[:2]
+    assert runs["store"]["actions"][0]["done"]
     assert runs["store"]["connector"]["saved_tokens"] == 2 * STORED
+    assert runs["store"]["connector"]["saves_queued"] == 2
 
 
 def test_fresh_process_serves_stored_prompts_from_kvtier_with_identical_output(runs):

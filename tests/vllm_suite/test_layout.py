@@ -95,3 +95,16 @@ def test_an_unknown_backend_or_shape_is_refused():
         block_layout("FLEX_ATTENTION", torch.zeros(SHAPES["FLASH_ATTN"]), HEADS, DIM)
     with pytest.raises(ConfigError, match="attention backend"):
         block_layout("CPU_ATTN", torch.zeros(SHAPES["FLASH_ATTN"]), HEADS, DIM)
+
+
+@pytest.mark.parametrize("backend", sorted(SHAPES))
+def test_whole_blocks_read_as_the_rows_of_their_slots(backend):
+    kv = torch.randn(SHAPES[backend], generator=torch.Generator().manual_seed(5))
+    layout = block_layout(backend, kv, HEADS, DIM)
+    blocks = torch.tensor([4, 1, 5])
+    slots = (blocks[:, None] * BLOCK + torch.arange(BLOCK)).flatten()
+    keys, values = layout.read_blocks(kv, blocks)
+    want_keys, want_values = layout.read(kv, slots)
+    assert keys.shape == (3, BLOCK, HEADS, DIM)
+    assert torch.equal(keys.flatten(0, 1), want_keys)
+    assert torch.equal(values.flatten(0, 1), want_values)

@@ -104,6 +104,33 @@ def test_a_prompt_kvtier_already_holds_is_not_saved_again(scheduler):
     assert out.kv_connector_metadata.saves == []
 
 
+def test_a_request_opted_out_of_kvtier_is_neither_served_nor_stored(scheduler):
+    tokens = _prompt(100, start=600)
+    fill_kvtier(scheduler.connector.runtime, tokens)
+    request = make_request(tokens, BLOCK, kv_transfer_params={"kvtier_cache": False})
+    scheduler.add_request(request)
+    out = scheduler.schedule()
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 0
+    other = make_request(_prompt(100, start=650), BLOCK, kv_transfer_params={"kvtier_cache": False})
+    scheduler.add_request(other)
+    for _ in range(3):
+        scheduler.update_from_output(out, runner_output(out))
+        out = scheduler.schedule()
+        assert out.kv_connector_metadata.saves == []
+    counts = scheduler.connector.runtime.counts
+    assert counts["requests_opted_out"] == 2 and counts.get("lookups", 0) == 0
+
+
+def test_a_malformed_kvtier_cache_param_is_counted_and_ignored(scheduler):
+    tokens = _prompt(100, start=800)
+    fill_kvtier(scheduler.connector.runtime, tokens)
+    request = make_request(tokens, BLOCK, kv_transfer_params={"kvtier_cache": "no"})
+    scheduler.add_request(request)
+    out = scheduler.schedule()
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 96
+    assert scheduler.connector.runtime.counts["bad_kvtier_cache_params"] == 1
+
+
 def test_a_lost_staged_load_is_reported_and_vllm_recomputes_it(tiny_model, tmp_path):
     from kvtier.integrations.vllm_worker import WorkerSide
 
@@ -159,7 +186,8 @@ def test_rows_saved_from_vllm_blocks_load_back_into_other_blocks_exactly(schedul
     saving = KvtierConnectorMetadata(saves=[SaveSpec("w", tuple(tokens), None, (5, 9, 2))])
     for name, kv in source.items():
         worker.save_kv_layer(saving, name, kv)
-    worker.wait_for_save()
+    worker.wait_for_save(saving)
+    assert runtime.saver.drain(30.0)
     assert runtime.counts["saved_tokens"] == 96
     (event,) = scheduler.connector.take_events()
     assert type(event).__name__ == "BlockStored" and event.medium == "kvtier"
@@ -173,7 +201,7 @@ def test_rows_saved_from_vllm_blocks_load_back_into_other_blocks_exactly(schedul
     worker.start_load_kv(KvtierConnectorMetadata(loads=[LoadSpec("r", 0, 95, (7, 3, 11))]))
     for name in target:
         worker.wait_for_layer_load(name)
-    worker.wait_for_save()
+    worker.wait_for_save(KvtierConnectorMetadata())
     layout = BlockLayout("cpu", 64, BLOCK, 2, 32)
     old = torch.cat([torch.arange(b * BLOCK, (b + 1) * BLOCK) for b in (5, 9, 2)])[:95]
     new = torch.cat([torch.arange(b * BLOCK, (b + 1) * BLOCK) for b in (7, 3, 11)])[:95]

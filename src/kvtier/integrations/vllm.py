@@ -44,7 +44,9 @@ class KvtierConnector(KVConnectorBase_V1):
             self._kv_transfer_config.kv_connector_extra_config, block_size)
         self.runtime: ConnectorRuntime = runtime_for(vllm_config, kv_cache_config, options)
         self.scheduler = SchedulerSide(self.runtime) if role == KVConnectorRole.SCHEDULER else None
-        self.worker = WorkerSide(self.runtime) if role == KVConnectorRole.WORKER else None
+        on_cuda = vllm_config.device_config.device_type == "cuda"
+        self.worker = (WorkerSide(self.runtime, copy_in_forward=on_cuda)
+                       if role == KVConnectorRole.WORKER else None)
 
     # ---- worker side -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -65,10 +67,16 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         if self.has_connector_metadata():
-            self.worker.wait_for_save()
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, KvtierConnectorMetadata)
+            self.worker.wait_for_save(meta)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(kv_connector_metadata, KvtierConnectorMetadata)
+        self.worker.handle_preemptions(kv_connector_metadata)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, None                  # loads and saves complete inside the step
+        return self.worker.get_finished(finished_req_ids), None   # loads finish inside the step
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()

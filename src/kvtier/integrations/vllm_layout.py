@@ -57,6 +57,15 @@ class BlockLayout:
         blocks, offsets = slots // self.block_size, slots % self.block_size
         return k[blocks, offsets], v[blocks, offsets]
 
+    def read_blocks(self, kv: torch.Tensor,
+                    block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of whole blocks as two ``[len(block_ids), block_size, kv_heads, head_dim]``
+        views of one gathered copy (a block-contiguous gather, then no per-token indexing)."""
+        gathered = kv.index_select(1 if self.kind == "flash" else 0, block_ids)
+        n = len(block_ids)
+        return BlockLayout(self.kind, n, self.block_size, self.kv_heads,
+                           self.head_dim)._views(gathered)
+
     def write(self, kv: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor,
               values: torch.Tensor) -> None:
         """Store ``[len(slots), kv_heads, head_dim]`` K and V rows at ``slots``."""

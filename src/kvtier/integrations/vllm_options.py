@@ -5,7 +5,8 @@ one flat JSON object; every key is checked, so a typo is refused at start naming
 value and what is allowed::
 
     {"disk_url": "file:///nvme/kvtier", "remote_url": "redis://10.0.0.5:6379/0",
-     "page_size": 64, "host_pool_bytes": "4GiB", "staging_pages": 512}
+     "page_size": 64, "host_pool_bytes": "4GiB", "staging_pages": 512,
+     "save_queue_depth": 8, "background_priority": "idle"}
 
 Store keys are the fields of kvtier's ``store`` config section (same names, checks and defaults);
 ``config`` names a kvtier YAML file read first, and ``KVTIER_*`` environment variables apply as
@@ -21,6 +22,7 @@ from typing import Any
 
 from kvtier.config import KvtierConfig, StoreConfig, build_config
 from kvtier.errors import ConfigError
+from kvtier.integrations.vllm_saver import check_priority
 
 STORE_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(StoreConfig))
 
@@ -39,6 +41,9 @@ CONFIG_KEYS: dict[str, str] = {
 #: Staging pages (kvtier's own page pool between vLLM's blocks and the host tier) when unset.
 DEFAULT_STAGING_PAGES = 256
 
+#: Prompts waiting to be stored when unset (see docs/architecture.md, "vLLM plug-ins").
+DEFAULT_SAVE_QUEUE_DEPTH = 8
+
 
 @dataclass(frozen=True)
 class VllmConnectorOptions:
@@ -49,13 +54,17 @@ class VllmConnectorOptions:
     model_fingerprint: str = ""
     #: kvtier page size taken from vLLM's block size (no ``page_size`` key given).
     page_size_from_block: bool = True
+    #: Prompts queued for the saver thread at most; past it a prompt is not stored (counted).
+    save_queue_depth: int = DEFAULT_SAVE_QUEUE_DEPTH
+    #: CPU scheduling class of the saver thread and kvtier's IO threads: ``idle`` or ``normal``.
+    background_priority: str = "idle"
 
     @property
     def store(self) -> StoreConfig:
         return self.config.store
 
 
-_OWN_KEYS = ("config", "model_fingerprint")
+_OWN_KEYS = ("config", "model_fingerprint", "save_queue_depth", "background_priority")
 
 
 def parse_connector_config(extra: Mapping[str, Any] | None, block_size: int,
@@ -77,5 +86,11 @@ def parse_connector_config(extra: Mapping[str, Any] | None, block_size: int,
     if config.host.pool_bytes == 0:
         raise ConfigError("host_pool_bytes", 0, "a host pool of at least one page: the "
                           "connector stages every hit there before claiming it")
+    depth = section.get("save_queue_depth", DEFAULT_SAVE_QUEUE_DEPTH)
+    if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
+        raise ConfigError("kv_connector_extra_config.save_queue_depth", depth, "an integer >= 1")
+    priority = section.get("background_priority", "idle")
+    check_priority(priority)
     return VllmConnectorOptions(config=config, model_fingerprint=fingerprint,
-                                page_size_from_block="page_size" not in section)
+                                page_size_from_block="page_size" not in section,
+                                save_queue_depth=depth, background_priority=priority)

@@ -10,7 +10,9 @@ Several ranks would each need their own view of the host tier, which this runtim
 give: they are refused at start naming the setting.
 
 Every method takes the lock: vLLM calls the scheduler half from its scheduling loop and the
-worker half from the model runner, which may be another thread under async scheduling.
+worker half from the model runner, which may be another thread under async scheduling, and the
+runtime's ``Saver`` (``vllm_saver``) commits stored prompts from its own background thread. The
+cache is built on that thread, so the IO threads it starts inherit its idle CPU priority.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import atexit
 import hashlib
 import logging
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +29,7 @@ from typing import Any
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm_events import EventLog
 from kvtier.integrations.vllm_options import VllmConnectorOptions
+from kvtier.integrations.vllm_saver import Saver
 from kvtier.keys import KeyNamespace
 from kvtier.layout import KVLayout
 
@@ -89,10 +93,11 @@ class ConnectorRuntime:
     """The shared cache and the per-request state both halves of the connector read."""
 
     def __init__(self, options: VllmConnectorOptions, shape: ModelShape, cache: Any,
-                 namespace: KeyNamespace) -> None:
+                 namespace: KeyNamespace, saver: Saver) -> None:
         self.options = options
         self.shape = shape
         self.cache = cache
+        self.saver = saver
         self.namespace = namespace
         self.lock = threading.RLock()
         self.staged: dict[str, Any] = {}      # request id -> kvtier Loaded, until its load ran
@@ -109,6 +114,8 @@ class ConnectorRuntime:
             return self.staged.pop(req_id, None)
 
     def release_staged(self, req_id: str) -> None:
+        if req_id not in self.staged:       # the common case (a miss) takes no lock
+            return
         with self.lock:
             loaded = self.staged.pop(req_id, None)
             if loaded is not None:
@@ -116,7 +123,16 @@ class ConnectorRuntime:
 
     def stats(self) -> dict[str, Any]:
         with self.lock:
-            return {"connector": dict(self.counts), "cache": self.cache.stats()}
+            counts = self.counts + self.saver.counts
+            return {"connector": dict(counts), "cache": self.cache.stats()}
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until queued saves are committed and the cache's copies and IO are done."""
+        deadline = time.monotonic() + timeout_s
+        if not self.saver.drain(timeout_s):
+            return False
+        with self.lock:
+            return bool(self.cache.drain(max(0.0, deadline - time.monotonic())))
 
     def close(self, timeout_s: float = EXIT_DRAIN_S) -> None:
         """Let queued writes reach the stores, then close them (idempotent)."""
@@ -124,6 +140,10 @@ class ConnectorRuntime:
             if self._closed:
                 return
             self._closed = True
+        if not self.saver.drain(timeout_s):
+            log.warning("kvtier: prompt saves still queued after %.1f s at close", timeout_s)
+        self.saver.close(1.0)
+        with self.lock:
             for loaded in self.staged.values():
                 self.cache.release(loaded)
             self.staged.clear()
@@ -150,8 +170,6 @@ def runtime_for(vllm_config: Any, kv_cache_config: Any,
 
 def _build(vllm_config: Any, kv_cache_config: Any,
            options: VllmConnectorOptions) -> ConnectorRuntime:
-    from kvtier.cache import TieredCache
-
     backend = vllm_config.parallel_config.distributed_executor_backend
     if backend not in (None, "uni"):
         raise ConfigError("distributed_executor_backend", backend, "uni: a single worker in the "
@@ -163,15 +181,40 @@ def _build(vllm_config: Any, kv_cache_config: Any,
     layout = shape.layout(page_size)
     namespace = KeyNamespace(shape.model, model_fingerprint(vllm_config, options.model_fingerprint),
                              shape.dtype, layout.fingerprint(), page_size)
-    device = "cuda" if vllm_config.device_config.device_type == "cuda" else "cpu"
-    cache = TieredCache.build(options.config, layout, namespace, device=device)
-    runtime = ConnectorRuntime(options, shape, cache, namespace)
+    device = _device(vllm_config)
+    saver = Saver(options.save_queue_depth, options.background_priority)
+    try:
+        cache = saver.call(lambda: _build_cache_here(options, layout, namespace, device))
+    except BaseException:
+        saver.close(1.0)
+        raise
+    runtime = ConnectorRuntime(options, shape, cache, namespace, saver)
     atexit.register(runtime.close)
     log.info("kvtier connector: %d layers x %d heads x %d, %s, page %d tokens (vLLM block %d), "
              "stores %s", len(shape.layer_names), shape.kv_heads, shape.head_dim, shape.dtype,
              page_size, shape.block_size, [t for t, u in (("disk", options.store.disk_url),
                                                     ("remote", options.store.remote_url)) if u])
     return runtime
+
+
+def _device(vllm_config: Any) -> str:
+    """The device vLLM runs on, with its index (the cache is built on another thread)."""
+    if vllm_config.device_config.device_type != "cuda":
+        return "cpu"
+    import torch
+
+    return f"cuda:{torch.cuda.current_device()}"
+
+
+def _build_cache_here(options: VllmConnectorOptions, layout: KVLayout, namespace: KeyNamespace,
+                      device: str) -> Any:
+    from kvtier.cache import TieredCache
+
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.set_device(torch.device(device))
+    return TieredCache.build(options.config, layout, namespace, device=device)
 
 
 def runtimes() -> list[ConnectorRuntime]:

@@ -12,7 +12,10 @@ request later (vLLM 0.32's default ``kv_load_failure_policy`` ends a request on 
 error). The worker half then only copies staged rows into vLLM's blocks, layer by layer.
 
 A request's prompt is stored once, in the step its prefill completes (every full kvtier page
-of it; decode tokens are not stored), unless kvtier already held all of it.
+of it), unless kvtier already held all of it, and again when the request finishes if its
+output filled more pages (prompt and output together); the copy runs after
+the step on the runtime's saver thread, so ``request_finished`` keeps the request's blocks
+until it is over, and a preempted request is stored again once it resumes.
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ TIER_SOURCES: dict[str, CacheHitSource] = {
     "device": CacheHitSource.HOST, "host": CacheHitSource.HOST,
     "disk": CacheHitSource.DISK, "remote": CacheHitSource.EXTERNAL_UNSPECIFIED,
 }
+
+
+#: A request's ``kv_transfer_params`` key: False keeps kvtier out of that request.
+OPT_OUT_KEY = "kvtier_cache"
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,8 @@ class SaveSpec:
 class KvtierConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    #: Requests vLLM preempted this step: their blocks are reused before the forward.
+    preempted: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -67,6 +76,7 @@ class _Tracked:
     sources: dict[CacheHitSource, int] = field(default_factory=dict)
     stored: bool = False
     held: int = 0                                  # prompt tokens kvtier staged (it holds them)
+    off: bool = False                              # the request opted out of kvtier
 
 
 class SchedulerSide:
@@ -81,9 +91,14 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         rt = self.runtime
         tracked = self._tracked.setdefault(request.request_id, _Tracked(request))
+        if tracked.off or self._opted_out(request):
+            tracked.off = True
+            return 0, False
         prompt = list(request.prompt_token_ids or ())
         limit = len(prompt) - 1          # vLLM computes at least the last prompt token
+        waited = time.perf_counter()
         with rt.lock:
+            rt.counts["lookup_lock_wait_us"] += int((time.perf_counter() - waited) * 1e6)
             loaded = rt.staged.get(request.request_id)
             if loaded is None:
                 loaded = self._stage(tracked, prompt, request.cache_salt, num_computed_tokens)
@@ -115,6 +130,17 @@ class SchedulerSide:
         rt.staged[tracked.request.request_id] = loaded
         return loaded
 
+    def _opted_out(self, request: Any) -> bool:
+        """``kv_transfer_params={"kvtier_cache": False}``: neither look up nor store it."""
+        params = request.kv_transfer_params
+        value = params.get(OPT_OUT_KEY, True) if isinstance(params, dict) else True
+        if not isinstance(value, bool):
+            self.runtime.counts["bad_kvtier_cache_params"] += 1   # ignored, counted
+            return False
+        if not value:
+            self.runtime.counts["requests_opted_out"] += 1
+        return not value
+
     def get_external_cache_hit_sources(self, request: Any,
                                        num_external_tokens: int) -> dict[CacheHitSource, int]:
         tracked = self._tracked.get(request.request_id)
@@ -140,10 +166,19 @@ class SchedulerSide:
 
     # ---- each step -------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> KvtierConnectorMetadata:
-        with self.runtime.lock:
-            self.runtime.cache.poll()
-        meta = KvtierConnectorMetadata(loads=self._loads)
+        lock = self.runtime.lock
+        if lock.acquire(blocking=False):    # the saver may be committing: it polls then too
+            try:
+                self.runtime.cache.poll()
+            finally:
+                lock.release()
+        meta = KvtierConnectorMetadata(loads=self._loads,
+                                       preempted=sorted(scheduler_output.preempted_req_ids or ()))
         self._loads = []
+        for req_id in meta.preempted:       # its save may be cancelled: save it once it resumes
+            tracked = self._tracked.get(req_id)
+            if tracked is not None:
+                tracked.stored = False
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._tracked.get(new.req_id)
             if tracked is not None:
@@ -168,7 +203,7 @@ class SchedulerSide:
                     scheduled: int) -> None:
         request = tracked.request
         prompt = request.prompt_token_ids or ()
-        if tracked.stored or computed + scheduled < len(prompt):
+        if tracked.off or tracked.stored or computed + scheduled < len(prompt):
             return
         tracked.stored = True
         full = len(prompt) // self.runtime.page_size * self.runtime.page_size
@@ -180,10 +215,29 @@ class SchedulerSide:
                                    blocks))
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, None]:
-        """Saves copy out of vLLM's blocks inside the step, so the blocks are free at once."""
-        self._tracked.pop(request.request_id, None)
+        """Store the full pages the generated tokens added (a chat's next turn starts with
+        them), then have vLLM keep the blocks (True) while a save still copies out of them;
+        the worker's ``get_finished`` says when they are free."""
+        tracked = self._tracked.pop(request.request_id, None)
         self.runtime.release_staged(request.request_id)
-        return False, None
+        if tracked is not None and tracked.stored and not tracked.off:
+            self._save_generated(request, list(block_ids or ()))
+        return self.runtime.saver.hold_blocks(request.request_id), None
+
+    def _save_generated(self, request: Any, block_ids: list[int]) -> None:
+        """Queue a save of every full page of prompt and output whose KV vLLM computed, when
+        the output filled at least one page past the prompt's. The saver reads the blocks
+        after this step, whose forward has finished (its tokens were sampled)."""
+        page, block = self.runtime.page_size, self.runtime.shape.block_size
+        prompt = len(request.prompt_token_ids or ())
+        computed = min(request.num_computed_tokens, len(request.all_token_ids))
+        full = computed // page * page
+        if full // page <= prompt // page or -(-full // block) > len(block_ids):
+            return
+        spec = SaveSpec(request.request_id, tuple(request.all_token_ids[:full]),
+                        request.cache_salt, tuple(block_ids[: -(-full // block)]))
+        self.runtime.counts["generated_saves"] += 1
+        self.runtime.saver.submit(request.request_id, spec=spec)
 
 
 def _sources(tokens_by_tier: dict[str, int], start: int, end: int) -> dict[CacheHitSource, int]:

@@ -7,23 +7,24 @@ Owns ``WorkerSide``. Runs on vLLM's model-runner thread, inside the forward:
   has synchronous loads (kvtier's always are) and after it otherwise;
 - ``wait_for_layer_load(layer)`` copies that layer's loaded rows just before its attention runs,
   so loading proceeds layer by layer with the forward;
-- ``save_kv_layer(layer)`` copies the layer's rows of prompts being stored right after its
-  attention wrote them (the step's first call prepares each ``SaveSpec``: staging pages
-  allocated, the pages kvtier already holds reused); ``wait_for_save`` commits them to the
-  ``TieredCache``, whose write policy moves them on to the host tier and the stores on kvtier's
-  IO threads (the pinned budget, the write admission ring and counted refusals apply; the
-  forward never waits on a store).
+- ``wait_for_save`` hands the step's saves (prompts whose prefill completed) to the runtime's
+  saver thread (``vllm_saver``), which copies their rows out of vLLM's blocks and commits them
+  to the ``TieredCache`` after the step, at idle CPU priority; vLLM keeps a finished request's
+  blocks until its copy is over (``get_finished``), and ``handle_preemptions`` stops copies of
+  blocks vLLM is about to reuse. On CUDA ``save_kv_layer(layer)`` copies each layer's rows in
+  the forward instead (stream-ordered, a gather per layer) and only the commit is left to the
+  saver. The forward never waits on a store: a full queue or no staging pages drop the save
+  (counted).
 
 A load whose staged pages are gone reports its blocks through ``get_block_ids_with_load_errors``
-(vLLM then recomputes them, or fails the request under the ``fail`` policy); a save that cannot
-get staging pages is skipped and counted. Rows are in kvtier's canonical order
-(``vllm_layout``), so stored pages do not depend on the attention backend.
+(vLLM then recomputes them, or fails the request under the ``fail`` policy). Rows are in
+kvtier's canonical order (``vllm_layout``), so stored pages do not depend on the attention
+backend.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +33,8 @@ import torch
 from kvtier.errors import KvtierError
 from kvtier.integrations.vllm_layout import BlockLayout, block_layout, check_cpu_layout
 from kvtier.integrations.vllm_runtime import ConnectorRuntime
-from kvtier.integrations.vllm_scheduler import KvtierConnectorMetadata, LoadSpec, SaveSpec
+from kvtier.integrations.vllm_saves import PromptSave, SaveCopier
+from kvtier.integrations.vllm_scheduler import KvtierConnectorMetadata, LoadSpec
 
 log = logging.getLogger(__name__)
 
@@ -51,15 +53,19 @@ class _Move:
 class WorkerSide:
     """See the module docstring."""
 
-    def __init__(self, runtime: ConnectorRuntime) -> None:
+    def __init__(self, runtime: ConnectorRuntime, copy_in_forward: bool = False) -> None:
         self.runtime = runtime
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.layout: BlockLayout | None = None
         self._layer_index = {name: i for i, name in enumerate(runtime.shape.layer_names)}
         self._loads: list[_Move] = []
-        self._saves: list[_Move] = []
+        self._saves: list[PromptSave] = []
         self._saves_for: KvtierConnectorMetadata | None = None
         self._load_errors: set[int] = set()
+        self._finished: set[str] = set()       # finished requests vLLM told us about
+        #: Saves copy inside the forward on CUDA (stream-ordered); elsewhere the saver does.
+        self.copy_in_forward = copy_in_forward
+        self.copier: SaveCopier | None = None
 
     # ---- set-up ----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], backend: str,
@@ -74,6 +80,8 @@ class WorkerSide:
             check_cpu_layout(layout, first.dtype, cpu_write_op)
         self.kv_caches = {name: kv_caches[name] for name in shape.layer_names}
         self.layout = layout
+        self.copier = SaveCopier(self.runtime, self.kv_caches, layout)
+        self.runtime.saver.copier = self.copier
         log.info("kvtier connector: %s KV layout, %d blocks of %d tokens", layout.kind,
                  layout.num_blocks, layout.block_size)
 
@@ -124,67 +132,51 @@ class WorkerSide:
         return errors
 
     # ---- saves -----------------------------------------------------------------------------
-    def _plan_save(self, spec: SaveSpec) -> _Move | None:
-        rt, page = self.runtime, self.runtime.page_size
-        full = len(spec.tokens) // page
-        with rt.lock:
-            try:
-                fresh = rt.cache.allocate(full)
-            except (KvtierError, MemoryError):
-                rt.counts["saves_refused_no_staging"] += 1
-                return None
-            hit = rt.cache.match(spec.tokens, spec.salt)
-            held = list(hit.device_page_ids[: hit.tokens_by_tier.get("device", 0) // page])
-            rt.cache.free(fresh[: len(held)])
-        page_ids = held + fresh[len(held):]
-        tokens = torch.arange(len(held) * page, full * page)
-        ids = torch.tensor(page_ids, dtype=torch.long)
-        rows = ids[tokens // page] * page + tokens % page
-        return _Move(spec.req_id, rows, self._slots(spec.block_ids, tokens),
-                     (spec.tokens, spec.salt, page_ids, fresh[len(held):]))
-
     def save_kv_layer(self, meta: KvtierConnectorMetadata, layer_name: str,
                       kv_layer: torch.Tensor) -> None:
-        started = time.perf_counter()
+        """On CUDA, copy this layer's rows of the step's saves now (stream-ordered after the
+        attention wrote them); on the CPU nothing: the saver thread copies after the step."""
+        if not self.copy_in_forward:
+            return
         layer = self._layer_index.get(layer_name)
         if meta is not self._saves_for:  # first layer of the step: plan its saves
             self._saves_for = meta
-            self._saves = [m for m in map(self._plan_save, meta.saves) if m is not None]
-        if layer is None or not self._saves:
-            return
-        pool = self.runtime.cache.device_pool.kv
-        for move in self._saves:
-            keys, values = self.layout.read(kv_layer, move.slots)
-            pool[layer, 0].flatten(0, 1)[move.rows] = keys
-            pool[layer, 1].flatten(0, 1)[move.rows] = values
-            move.layers.add(layer)
-        self.runtime.counts["save_copy_us"] += int((time.perf_counter() - started) * 1e6)
+            self._saves = [s for s in map(self.copier.plan, meta.saves) if s is not None]
+        if layer is not None:
+            for save in self._saves:
+                self.copier.copy_layer(save, layer, kv_layer)
 
-    def wait_for_save(self) -> None:
-        started = time.perf_counter()
-        self._finish_step()
-        self.runtime.counts["save_commit_us"] += int((time.perf_counter() - started) * 1e6)
-
-    def _finish_step(self) -> None:
-        rt, layers = self.runtime, len(self._layer_index)
-        for move in self._loads:
-            with rt.lock:
-                rt.cache.release(move.handle)
+    def wait_for_save(self, meta: KvtierConnectorMetadata) -> None:
+        """Release the step's loads (or hand them to the request's save) and queue its saves
+        for the saver thread; never waits for one."""
+        loads = {move.req_id: move.handle for move in self._loads}
         self._loads = []
-        for move in self._saves:
-            tokens, salt, page_ids, fresh = move.handle
-            with rt.lock:
-                if len(move.layers) < layers:
-                    rt.cache.free(fresh)
-                    rt.counts["saves_incomplete"] += 1
-                    continue
-                try:
-                    rt.cache.commit(list(tokens), page_ids, salt)
-                except ValueError:      # a reused staging page was evicted under the save
-                    rt.cache.free(fresh)
-                    rt.counts["saves_refused_evicted"] += 1
-                    continue
-                rt.counts["saved_tokens"] += len(move.rows)
-                rt.events.stored(rt.namespace, tokens, salt, rt.page_size)
-            rt.cache.poll()
+        saver = self.runtime.saver
+        if self.copy_in_forward:
+            ready = torch.cuda.Event() if self._saves else None
+            if ready is not None:
+                ready.record()
+            for save in self._saves:
+                save.ready = ready
+                if not saver.submit(save.req_id, save=save):
+                    self.copier.abandon(save)
+        else:
+            for spec in meta.saves if meta is not None else ():
+                handle = loads.pop(spec.req_id, None)
+                handles = [handle] if handle is not None else []
+                if not saver.submit(spec.req_id, spec=spec, handles=handles):
+                    self.copier.release(handles)
+        self.copier.release(list(loads.values()))
         self._saves, self._saves_for = [], None
+
+    def handle_preemptions(self, meta: KvtierConnectorMetadata) -> None:
+        """vLLM frees preempted requests' blocks before this step's forward: stop reading them."""
+        if meta.preempted:
+            self.runtime.saver.cancel(meta.preempted)
+
+    def get_finished(self, finished_req_ids: set[str]) -> set[str] | None:
+        """Finished requests whose blocks vLLM kept for a save and may now free."""
+        self._finished.update(finished_req_ids)
+        done = self.runtime.saver.take_released(self._finished)
+        self._finished -= done
+        return done or None

@@ -1,0 +1,166 @@
+"""Storing one prompt's KV from vLLM's blocks into kvtier: plan, copy layer by layer, commit.
+
+Owns ``PromptSave`` (one prompt being stored) and ``SaveCopier`` (the tensor work on it):
+
+- ``plan(spec)`` takes staging pages for the full kvtier pages kvtier does not hold on its
+  device tier yet (pages it holds there are reused), and skips the prompt outright when kvtier
+  already holds every full page on some tier (no copy, no commit: counted ``saves_skipped_held``);
+- ``copy_layer(save, layer)`` gathers that layer's rows by slot from vLLM's KV tensor into the
+  staging pages, in kvtier's canonical row order (``vllm_layout``): one gather and one scatter
+  per layer and prompt (of whole blocks when kvtier's page size is vLLM's block size, else of
+  token rows), no loop over blocks;
+- ``commit(save)`` hands the pages to ``TieredCache.commit`` (write policy: host copy, store
+  backups on kvtier's IO threads) and records the KV event; ``abandon(save)`` frees them.
+
+Which thread calls what is the caller's business (``vllm_saver``): on the CPU the background
+saver thread does all three, on CUDA the forward copies (stream-ordered, cheap) and the saver
+commits. Every cache call takes the runtime's lock; the copies do not, since staging pages
+handed out by ``allocate`` belong to the save until it commits or abandons them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvtier.errors import KvtierError
+from kvtier.integrations.vllm_layout import BlockLayout
+from kvtier.integrations.vllm_runtime import ConnectorRuntime
+from kvtier.integrations.vllm_scheduler import SaveSpec
+
+
+@dataclass(eq=False)
+class PromptSave:
+    """One prompt on its way into kvtier (see the module docstring)."""
+
+    spec: SaveSpec
+    rows: torch.Tensor                 # rows in kvtier's staging pool to fill
+    slots: torch.Tensor                # the same tokens' slots in vLLM's blocks
+    page_ids: list[int]                # every full page, in prefix order
+    fresh: list[int]                   # the staging pages this save allocated
+    #: With kvtier pages as large as vLLM's blocks: the blocks and the pages they fill, so a
+    #: layer moves as whole blocks (``rows``/``slots`` serve any other page size).
+    blocks: torch.Tensor | None = None
+    pages: torch.Tensor | None = None
+    layers_copied: int = 0
+    copy_cpu_us: int = 0               # CPU time of its layer copies, counted at commit
+    ready: Any = None                  # CUDA event after the forward's copies (None on the CPU)
+    handles: list[Any] = field(default_factory=list)   # Loaded handles released after commit
+
+    @property
+    def req_id(self) -> str:
+        return self.spec.req_id
+
+
+class SaveCopier:
+    """The tensor work of saves over one runtime and vLLM's registered KV tensors."""
+
+    def __init__(self, runtime: ConnectorRuntime, kv_caches: dict[str, torch.Tensor],
+                 layout: BlockLayout) -> None:
+        self.runtime = runtime
+        self.kv_caches = [kv_caches[name] for name in runtime.shape.layer_names]
+        self.layout = layout
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.kv_caches)
+
+    def plan(self, spec: SaveSpec, handles: list[Any] | None = None) -> PromptSave | None:
+        """Staging pages and row indices for ``spec``; None when nothing is to be done.
+        ``handles`` (the request's loads this step, which pin its head on kvtier's device
+        tier) are released once the save commits or gives up."""
+        rt, page = self.runtime, self.runtime.page_size
+        full = len(spec.tokens) // page
+        handles = list(handles or ())
+        with rt.lock:
+            if rt.cache.match(spec.tokens, spec.salt).tokens >= full * page:
+                rt.counts["saves_skipped_held"] += 1
+                self._release(handles)
+                return None
+            try:                        # allocating may evict, so match again after it
+                fresh = rt.cache.allocate(full)
+            except (KvtierError, MemoryError):
+                rt.counts["saves_refused_no_staging"] += 1
+                self._release(handles)
+                return None
+            hit = rt.cache.match(spec.tokens, spec.salt)
+            held = list(hit.device_page_ids[: hit.tokens_by_tier.get("device", 0) // page])
+            rt.cache.free(fresh[: len(held)])
+            fresh = fresh[len(held):]
+        tokens = torch.arange(len(held) * page, full * page)
+        ids = torch.tensor(held + fresh, dtype=torch.long)
+        rows = ids[tokens // page] * page + tokens % page
+        block = rt.shape.block_size
+        table = torch.tensor(spec.block_ids, dtype=torch.long)
+        slots = table[tokens // block] * block + tokens % block
+        save = PromptSave(spec, rows, slots, held + fresh, fresh, handles=handles)
+        if block == page:
+            save.blocks = table[len(held):full]
+            save.pages = torch.tensor(fresh, dtype=torch.long)
+        return save
+
+    def copy_layer(self, save: PromptSave, layer: int, kv_layer: torch.Tensor | None = None) -> None:
+        """Copy layer ``layer`` of ``save``'s rows from vLLM's tensor into the staging pages."""
+        started = time.thread_time()
+        kv = self.kv_caches[layer] if kv_layer is None else kv_layer
+        pool = self.runtime.cache.device_pool.kv
+        if save.blocks is not None:
+            keys, values = self.layout.read_blocks(kv, save.blocks.to(kv.device))
+            pages = save.pages.to(pool.device)
+            pool[layer, 0].index_copy_(0, pages, keys.to(pool.dtype))
+            pool[layer, 1].index_copy_(0, pages, values.to(pool.dtype))
+        else:
+            keys, values = self.layout.read(kv, save.slots)
+            pool[layer, 0].flatten(0, 1)[save.rows] = keys
+            pool[layer, 1].flatten(0, 1)[save.rows] = values
+        save.layers_copied = layer + 1
+        save.copy_cpu_us += int((time.thread_time() - started) * 1e6)
+
+    def commit(self, save: PromptSave) -> None:
+        """Index and write the copied pages (the write policy takes over from here)."""
+        rt, started = self.runtime, time.thread_time()
+        if save.ready is not None:
+            save.ready.synchronize()
+        with rt.lock:
+            rt.counts["save_copy_cpu_us"] += save.copy_cpu_us
+            if save.layers_copied < self.num_layers:
+                rt.counts["saves_incomplete"] += 1
+                self._free(save)
+                return
+            try:
+                rt.cache.commit(list(save.spec.tokens), save.page_ids, save.spec.salt)
+            except ValueError:          # a reused staging page was evicted under the save
+                rt.counts["saves_refused_evicted"] += 1
+                self._free(save)
+                return
+            rt.counts["saved_tokens"] += len(save.rows)
+            rt.events.stored(rt.namespace, save.spec.tokens, save.spec.salt, rt.page_size)
+            self._release_handles(save)
+            rt.cache.poll()
+            rt.counts["save_commit_cpu_us"] += int((time.thread_time() - started) * 1e6)
+
+    def abandon(self, save: PromptSave) -> None:
+        """Give the save's staging pages back (dropped or cancelled before its commit)."""
+        with self.runtime.lock:
+            self.runtime.counts["save_copy_cpu_us"] += save.copy_cpu_us
+            self._free(save)
+
+    def _free(self, save: PromptSave) -> None:
+        self.runtime.cache.free(save.fresh)
+        self._release_handles(save)
+
+    def _release_handles(self, save: PromptSave) -> None:
+        self._release(save.handles)
+        save.handles.clear()
+
+    def release(self, handles: list[Any]) -> None:
+        """Release load handles a save was given but will not use."""
+        with self.runtime.lock:
+            self._release(handles)
+
+    def _release(self, handles: list[Any]) -> None:
+        for handle in handles:
+            self.runtime.cache.release(handle)
