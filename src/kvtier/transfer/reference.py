@@ -40,10 +40,12 @@ def reference_copy(plan: CopyPlan, device_kv: torch.Tensor, host_buffer: torch.T
     """Carry out ``plan`` with torch indexing (load: host -> device; store: device -> host)."""
     if plan.num_pages == 0:
         return
-    device = _words(device_part_view(device_kv))
+    device = device_part_view(device_kv)
     host_pages = plan.src.num_pages if plan.direction == "load" else plan.dst.num_pages
-    host = _words(host_part_view(host_buffer, host_layout, device.shape[0], device.shape[1],
-                                 host_pages))
+    host = host_part_view(host_buffer, host_layout, device.shape[0], device.shape[1],
+                          host_pages)
+    if _wordable(device) and _wordable(host):   # both sides in words, or both in bytes
+        device, host = device.view(torch.int64), host.view(torch.int64)
     l0, l1 = plan.layer_start, plan.layer_start + plan.layer_count
     src_ids = torch.from_numpy(plan.src_ids)
     dst_ids = torch.from_numpy(plan.dst_ids)
@@ -55,12 +57,11 @@ def reference_copy(plan: CopyPlan, device_kv: torch.Tensor, host_buffer: torch.T
         _host_scatter(host, host_layout, dst_ids, l0, l1, parts)
 
 
-def _words(parts: torch.Tensor) -> torch.Tensor:
-    """The same bytes as 8-byte elements where sizes allow: torch indexing moves one element
-    at a time, and with one byte per element a CPU copy of 48 MiB took 3x as long."""
-    if parts.shape[-1] % 8 or parts.storage_offset() % 8:
-        return parts
-    return parts.view(torch.int64)
+def _wordable(parts: torch.Tensor) -> bool:
+    """Whether these bytes can be viewed as 8-byte elements (part size and address both
+    multiples of 8): torch indexing moves one element at a time, and with one byte per element
+    a CPU copy of 48 MiB took 3x as long."""
+    return not (parts.shape[-1] % 8 or parts.storage_offset() % 8 or parts.data_ptr() % 8)
 
 
 def _host_gather(host: torch.Tensor, host_layout: str, ids: torch.Tensor, l0: int,
