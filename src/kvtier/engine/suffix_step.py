@@ -107,7 +107,6 @@ class StaticSuffix:
                              (self.slots, slots), (self.table, table), (self.blocks, blocks),
                              (self.last, last)):
             static.copy_(host)
-        self.count, self.start = count, start
 
     # ---- what the paged attention calls (as on a ``PagedBatch``) ---------------------------
     def wait_for_layer(self, layer: int) -> None:
