@@ -22,6 +22,7 @@ import argparse
 import gc
 import json
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,7 @@ def _drop(service: EngineService, tiers: tuple[str, ...]) -> None:
 
 
 def run_cell(args: argparse.Namespace, arch: str, dtype: str, page_size: int) -> list[dict[str, Any]]:
+    started = time.perf_counter()
     lm = build_lm(arch, dtype, "default", args.device, args.hidden, args.layers)
     paged.install(lm.model)                  # as hf.load_model does
     pairs = prompts(args.prompts, args.prompt_tokens, args.seed)
@@ -136,7 +138,8 @@ def run_cell(args: argparse.Namespace, arch: str, dtype: str, page_size: int) ->
                       "first_logits_bit_identical_share": round(
                           sum(torch.equal(a[1], b[1]) for a, b in pairs_) / len(rows), 4),
                       "max_abs_dlogit": max(deltas),
-                      "mean_abs_dlogit": sum(deltas) / len(deltas)})
+                      "mean_abs_dlogit": sum(deltas) / len(deltas),
+                      "cell_wall_s": round(time.perf_counter() - started, 1)})
     return cells
 
 
