@@ -49,10 +49,11 @@ def _prompts(count: int, length: int, seed: int, vocab: int) -> list[list[int]]:
 
 def _service(lm: Any, device: str, dtype: str, max_running: int, host_pool: str,
              decode_graph_batch: int | None = None,
-             device_fraction: float = DEVICE_FRACTION) -> EngineService:
+             device_fraction: float = DEVICE_FRACTION,
+             extra: dict[str, str] | None = None) -> EngineService:
     flags = {"engine.device": device, "engine.dtype": dtype,
              "engine.max_running": str(max_running), "host.pool_bytes": host_pool,
-             "cache.device_memory_fraction": str(device_fraction)}
+             "cache.device_memory_fraction": str(device_fraction), **(extra or {})}
     if decode_graph_batch is not None:
         flags["engine.decode_graph_batch"] = str(decode_graph_batch)
     config = build_config(env={}, flags=flags)
@@ -122,11 +123,13 @@ def _single(service: EngineService, args: argparse.Namespace, vocab: int) -> dic
 
 
 def throughput(args: argparse.Namespace) -> dict[str, Any]:
-    lm = load_model(args.model, device=args.device, dtype=args.dtype)
+    extra = dict(item.split("=", 1) for item in args.set)
+    lm = load_model(args.model, device=args.device, dtype=args.dtype,
+                    deterministic=extra.get("engine.deterministic", "false") == "true")
     vocab = lm.config.vocab_size
     levels = [int(c) for c in args.concurrency.split(",")]
     service = _service(lm, args.device, args.dtype, max(levels), args.host_pool,
-                       device_fraction=args.device_fraction)
+                       device_fraction=args.device_fraction, extra=extra)
     out: dict[str, Any] = {}
     try:
         _generate_all(service, _prompts(2, 64, 99, vocab), 8)        # warm-up
@@ -142,7 +145,8 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
         out["engine_stats"] = service.engine.stats()
     finally:
         service.close()
-    service = _service(lm, args.device, args.dtype, 1, args.host_pool, decode_graph_batch=0)
+    service = _service(lm, args.device, args.dtype, 1, args.host_pool, decode_graph_batch=0,
+                       extra=extra)
     try:                         # the same stream without decode graphs, for the side by side
         _generate_all(service, _prompts(1, 64, 99, vocab), 8)
         out["single_eager_decode"] = _single(service, args, vocab)
@@ -172,6 +176,9 @@ def main() -> int:
     parser.add_argument("--check-models", default="tiny-llama,tiny-qwen2")
     parser.add_argument("--skip-peer", action="store_true")
     parser.add_argument("--device-fraction", type=float, default=DEVICE_FRACTION)
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="a config field for the throughput runs, e.g. engine.deterministic=true "
+                             "(which also loads the model with the batch-invariant kernels)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     result: dict[str, Any] = {"machine": machine_info(), "settings": vars(args) | {"json": None}}

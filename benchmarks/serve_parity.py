@@ -36,9 +36,10 @@ from kvtier.machine import format_table, machine_info
 from parity import build_lm, prompts
 
 
-def _service(lm: Any, args: argparse.Namespace, dtype: str, page_size: int, cache: bool,
-             running: int) -> EngineService:
+def _service(lm: Any, args: argparse.Namespace, dtype: str, mode: str, page_size: int,
+             cache: bool, running: int) -> EngineService:
     flags = {"engine.device": args.device, "engine.dtype": dtype, "cache.page_size": page_size,
+             "engine.deterministic": str(mode == "deterministic").lower(),
              "cache.enabled": str(cache).lower(), "engine.max_running": str(running),
              "host.pool_bytes": "512MiB" if cache else "0",
              "store.disk_url": f"file://{args.disk}" if cache and args.disk else "",
@@ -87,12 +88,13 @@ def _drop(service: EngineService, tiers: tuple[str, ...]) -> None:
     service.scheduler.call_soon(lambda: service.prefix_cache.drop_tiers(tiers)).result(600)
 
 
-def run_cell(args: argparse.Namespace, arch: str, dtype: str, page_size: int) -> list[dict[str, Any]]:
+def run_cell(args: argparse.Namespace, arch: str, dtype: str, mode: str,
+             page_size: int) -> list[dict[str, Any]]:
     started = time.perf_counter()
-    lm = build_lm(arch, dtype, "default", args.device, args.hidden, args.layers)
+    lm = build_lm(arch, dtype, mode, args.device, args.hidden, args.layers)
     paged.install(lm.model)                  # as hf.load_model does
     pairs = prompts(args.prompts, args.prompt_tokens, args.seed)
-    plain = _service(lm, args, dtype, page_size, False, 1)
+    plain = _service(lm, args, dtype, mode, page_size, False, 1)
     plain_logits = FirstLogits(plain)
     try:
         wants = [_run(plain, plain_logits, [p], args.new_tokens)[0] for p, _ in pairs]
@@ -103,7 +105,7 @@ def run_cell(args: argparse.Namespace, arch: str, dtype: str, page_size: int) ->
     if args.disk:
         got["disk"] = []
         shutil.rmtree(args.disk, ignore_errors=True)
-    cached = _service(lm, args, dtype, page_size, True, max(1, len(pairs)))
+    cached = _service(lm, args, dtype, mode, page_size, True, max(1, len(pairs)))
     logits = FirstLogits(cached)
     try:
         for prompt, sibling in pairs:
@@ -131,7 +133,7 @@ def run_cell(args: argparse.Namespace, arch: str, dtype: str, page_size: int) ->
         firsts = [next((i for i, (x, y) in enumerate(zip(a[0], b[0], strict=True)) if x != y),
                        -1) for a, b in pairs_]
         deltas = [float((a[1] - b[1]).abs().max()) for a, b in pairs_]
-        cells.append({"arch": arch, "dtype": dtype, "page_size": page_size, "tier": tier,
+        cells.append({"arch": arch, "dtype": dtype, "mode": mode, "page_size": page_size, "tier": tier,
                       "prompts": len(rows), "identical_share": round(same / len(rows), 4),
                       "identical": same == len(rows), "cached_tokens_by_tier": served[tier],
                       "first_divergent": [f for f in firsts if f >= 0][:20],
@@ -148,6 +150,9 @@ def main() -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--archs", default="llama,qwen2,mistral")
     parser.add_argument("--dtypes", default="float32")
+    parser.add_argument("--modes", default="default",
+                        help="default and/or deterministic (engine.deterministic: the "
+                             "batch-invariant kernels installed as hf.load_model does)")
     parser.add_argument("--page-sizes", default="16,64")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=600)
@@ -165,15 +170,15 @@ def main() -> int:
     args = parser.parse_args()
     cells: list[dict[str, Any]] = []
     for dtype in args.dtypes.split(","):
-        for arch in args.archs.split(","):
+        for arch, mode in ((a, m) for a in args.archs.split(",") for m in args.modes.split(",")):
             for page in (int(p) for p in args.page_sizes.split(",")):
-                cells += run_cell(args, arch, dtype, page)
+                cells += run_cell(args, arch, dtype, mode, page)
                 _write(args, cells)      # after every cell: a run cut short keeps what it did
-    rows = [[c["arch"], c["dtype"], c["page_size"], c["tier"], c["prompts"],
+    rows = [[c["arch"], c["dtype"], c["mode"], c["page_size"], c["tier"], c["prompts"],
              f"{100 * c['identical_share']:.1f} %", c["identical"],
              f"{100 * c['first_logits_bit_identical_share']:.1f} %",
              f"{c['max_abs_dlogit']:.3g}"] for c in cells]
-    text = format_table(["arch", "dtype", "page", "hit", "prompts", "identical", "all",
+    text = format_table(["arch", "dtype", "mode", "page", "hit", "prompts", "identical", "all",
                          "logits bit-identical", "max |dlogit|"], rows)
     print(text)
     _write(args, cells, text)
