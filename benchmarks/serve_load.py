@@ -7,7 +7,11 @@ default; kvtier on, and ``--no-cache``), then, with ``kvtier bench serve``'s loa
    once (concurrency 16), on the kvtier server, fresh prompts each (no hits): generated tokens/s
    side by side and their ratio (goal >= 3x);
 2. each workload (random, shared-prefix groups, multi-turn from the Mooncake trace scaled to
-   16-token blocks) against both servers: TTFT p50/p99, ITL p50/p99, throughput, cached share.
+   16-token blocks) against both servers: TTFT p50/p99, ITL p50/p99, throughput, cached share;
+3. the no-hit path's cost under load (``--rounds``): fresh random prompts (no hits possible)
+   against both servers in alternating order, a new seed each round, and the median over rounds
+   of kvtier's throughput and TTFT p50 over the no-cache server's (a shared machine's drift
+   cancels in the alternation, which one pair of runs does not).
 
 Prints the tables, writes ``--json`` (+ .txt) and ``--plot``. Usage (the CPU; the H200)::
 
@@ -24,6 +28,7 @@ import contextlib
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -118,6 +123,23 @@ def workloads() -> dict[str, SimpleNamespace]:
     }
 
 
+def no_hit_cost(on: str, off: str, rounds: int) -> dict[str, object]:
+    """kvtier against --no-cache on random prompts, alternating which goes first."""
+    ratios: dict[str, list[float]] = {"output_tokens_per_s": [], "ttft_ms_p50": [], "itl_ms_p50": []}
+    runs = []
+    for r in range(rounds):
+        wargs = _args(seed=1000 + r, num_requests=32)
+        requests = bench_serve.build_workload(wargs)
+        order = [("kvtier", on), ("no-cache", off)][:: 1 if r % 2 == 0 else -1]
+        got = {name: bench_serve.measure(url, requests, wargs) for name, url in order}
+        runs.append(got)
+        for key, values in ratios.items():
+            if got["no-cache"].get(key) and got["kvtier"].get(key):
+                values.append(got["kvtier"][key] / got["no-cache"][key])
+    median = {key: round(statistics.median(v), 3) for key, v in ratios.items() if v}
+    return {"rounds": runs, "ratios": ratios, "median_kvtier_over_no_cache": median}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path)
@@ -131,6 +153,8 @@ def main() -> int:
     parser.add_argument("--host-pool", default="64MiB")
     parser.add_argument("--pinned-budget", default="256MiB")
     parser.add_argument("--trace", default=str(TRACE), help="The multi-turn workload's trace.")
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="Alternating rounds of the no-hit cost measurement (0: skip it).")
     args = parser.parse_args()
     THREADS[0], SCALE[0], TRACE_PATH[0] = args.threads, args.scale, args.trace
     SERVER[0] = ["--device", args.device, "--model", args.model, "--dtype", args.dtype,
@@ -154,6 +178,11 @@ def main() -> int:
                     "no-cache": bench_serve.measure(off, requests, wargs)}
             result[name] = {"settings": bench_serve.settings(wargs), "runs": runs}
             tables.append(f"## {name} {bench_serve.settings(wargs)}\n{bench_serve.table(runs)}")
+        if args.rounds:
+            cost = no_hit_cost(on, off, args.rounds)
+            result["no_hit_cost"] = cost
+            tables.append(f"## no-hit cost, {args.rounds} alternating rounds of 32 random prompts: "
+                          f"kvtier / no-cache, median {cost['median_kvtier_over_no_cache']}")
     text = "\n\n".join(tables)
     print(text)
     if args.json:
