@@ -63,7 +63,8 @@ def server(extra: list[str], log: Path) -> Iterator[str]:
     """A ``kvtier serve`` subprocess; yields its base URL once /health answers."""
     port = _free_port()
     cmd = [sys.executable, "-m", "kvtier", "serve", "--port", str(port), *SERVER[0], *extra]
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": THREADS[0]}
+    path = os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": THREADS[0]}
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -123,21 +124,26 @@ def workloads() -> dict[str, SimpleNamespace]:
     }
 
 
-def no_hit_cost(on: str, off: str, rounds: int) -> dict[str, object]:
-    """kvtier against --no-cache on random prompts, alternating which goes first."""
-    ratios: dict[str, list[float]] = {"output_tokens_per_s": [], "ttft_ms_p50": [], "itl_ms_p50": []}
+def no_hit_cost(servers: dict[str, str], off: str, rounds: int) -> dict[str, object]:
+    """Each kvtier server in ``servers`` (name: URL) against --no-cache on random prompts, in an
+    order that rotates every round; per server, the median over rounds of its ratios."""
+    keys = ("output_tokens_per_s", "ttft_ms_p50", "itl_ms_p50")
+    ratios = {name: {key: [] for key in keys} for name in servers}
     runs = []
     for r in range(rounds):
         wargs = _args(seed=1000 + r, num_requests=32)
         requests = bench_serve.build_workload(wargs)
-        order = [("kvtier", on), ("no-cache", off)][:: 1 if r % 2 == 0 else -1]
+        order = [("no-cache", off), *servers.items()]
+        order = order[r % len(order):] + order[:r % len(order)]
         got = {name: bench_serve.measure(url, requests, wargs) for name, url in order}
         runs.append(got)
-        for key, values in ratios.items():
-            if got["no-cache"].get(key) and got["kvtier"].get(key):
-                values.append(got["kvtier"][key] / got["no-cache"][key])
-    median = {key: round(statistics.median(v), 3) for key, v in ratios.items() if v}
-    return {"rounds": runs, "ratios": ratios, "median_kvtier_over_no_cache": median}
+        for name in servers:
+            for key in keys:
+                if got["no-cache"].get(key) and got[name].get(key):
+                    ratios[name][key].append(got[name][key] / got["no-cache"][key])
+    median = {name: {key: round(statistics.median(v), 3) for key, v in by.items() if v}
+              for name, by in ratios.items()}
+    return {"rounds": runs, "ratios": ratios, "median_over_no_cache": median}
 
 
 def main() -> int:
@@ -155,6 +161,11 @@ def main() -> int:
     parser.add_argument("--trace", default=str(TRACE), help="The multi-turn workload's trace.")
     parser.add_argument("--rounds", type=int, default=4,
                         help="Alternating rounds of the no-hit cost measurement (0: skip it).")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
+                        help="Another kvtier server in the no-hit measurement, with these extra "
+                             "serve arguments, e.g. 'no-host=--host.pool_bytes 0'.")
+    parser.add_argument("--no-hit-only", action="store_true",
+                        help="Skip the batching goal and the workloads.")
     args = parser.parse_args()
     THREADS[0], SCALE[0], TRACE_PATH[0] = args.threads, args.scale, args.trace
     SERVER[0] = ["--device", args.device, "--model", args.model, "--dtype", args.dtype,
@@ -163,32 +174,41 @@ def main() -> int:
     result: dict[str, object] = {"machine": machine_info(), "server_threads": args.threads,
                                  "server_args": SERVER[0], "scale": args.scale}
     tables = []
-    with server([], args.logs / "kvtier_serve_on.log") as on, \
-            server(["--no-cache"], args.logs / "kvtier_serve_off.log") as off:
-        warm(on)
-        warm(off)
-        goal = batching_goal(on)
-        result["batching"] = goal
-        tables.append(f"## batching (kvtier server, random {128 * SCALE[0]}-token prompts, 64 new tokens)\n"
-                      f"{bench_serve.table(goal['runs'])}\nratio {goal['ratio']}x "
-                      f"(goal >= {BATCH_GOAL}x: {'met' if goal['met'] else 'NOT met'})")
-        for name, wargs in workloads().items():
-            requests = bench_serve.build_workload(wargs)
-            runs = {"kvtier": bench_serve.measure(on, requests, wargs),
-                    "no-cache": bench_serve.measure(off, requests, wargs)}
-            result[name] = {"settings": bench_serve.settings(wargs), "runs": runs}
-            tables.append(f"## {name} {bench_serve.settings(wargs)}\n{bench_serve.table(runs)}")
+    with contextlib.ExitStack() as stack:
+        on = stack.enter_context(server([], args.logs / "kvtier_serve_on.log"))
+        off = stack.enter_context(server(["--no-cache"], args.logs / "kvtier_serve_off.log"))
+        variants = {"kvtier": on}
+        for spec in args.variant:
+            name, extra = spec.split("=", 1)
+            variants[name] = stack.enter_context(
+                server(extra.split(), args.logs / f"kvtier_serve_{name}.log"))
+        for url in (*variants.values(), off):
+            warm(url)
+        if not args.no_hit_only:
+            goal = batching_goal(on)
+            result["batching"] = goal
+            tables.append(f"## batching (kvtier server, random {128 * SCALE[0]}-token prompts, "
+                          f"64 new tokens)\n{bench_serve.table(goal['runs'])}\nratio "
+                          f"{goal['ratio']}x (goal >= {BATCH_GOAL}x: "
+                          f"{'met' if goal['met'] else 'NOT met'})")
+            for name, wargs in workloads().items():
+                requests = bench_serve.build_workload(wargs)
+                runs = {"kvtier": bench_serve.measure(on, requests, wargs),
+                        "no-cache": bench_serve.measure(off, requests, wargs)}
+                result[name] = {"settings": bench_serve.settings(wargs), "runs": runs}
+                tables.append(f"## {name} {bench_serve.settings(wargs)}\n{bench_serve.table(runs)}")
         if args.rounds:
-            cost = no_hit_cost(on, off, args.rounds)
-            result["no_hit_cost"] = cost
-            tables.append(f"## no-hit cost, {args.rounds} alternating rounds of 32 random prompts: "
-                          f"kvtier / no-cache, median {cost['median_kvtier_over_no_cache']}")
+            cost = no_hit_cost(variants, off, args.rounds)
+            result["no_hit_cost"] = cost | {"variants": args.variant}
+            lines = [f"{name}: {m}" for name, m in cost["median_over_no_cache"].items()]
+            tables.append(f"## no-hit cost, {args.rounds} rotating rounds of 32 random prompts, "
+                          "median of each server over --no-cache\n" + "\n".join(lines))
     text = "\n\n".join(tables)
     print(text)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
         args.json.with_suffix(".txt").write_text(text + "\n")
-    if args.plot:
+    if args.plot and not args.no_hit_only:
         flat = {**{k: v for k, v in goal["runs"].items()},
                 **{f"{w} {s}": r for w in workloads() for s, r in result[w]["runs"].items()}}
         plot_runs(flat, args.plot, title=f"kvtier bench serve, {args.device}, {args.model}")
