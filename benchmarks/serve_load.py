@@ -164,13 +164,16 @@ def main() -> int:
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
                         help="Another kvtier server in the no-hit measurement, with these extra "
                              "serve arguments, e.g. 'no-host=--host.pool_bytes 0'.")
+    parser.add_argument("--serve-args", default="",
+                        help="Extra serve arguments for every server, e.g. "
+                             "'--cache.device_memory_fraction 0.12' when several share a GPU.")
     parser.add_argument("--no-hit-only", action="store_true",
                         help="Skip the batching goal and the workloads.")
     args = parser.parse_args()
     THREADS[0], SCALE[0], TRACE_PATH[0] = args.threads, args.scale, args.trace
     SERVER[0] = ["--device", args.device, "--model", args.model, "--dtype", args.dtype,
                  "--host.pool_bytes", args.host_pool,
-                 "--host.pinned_budget_bytes", args.pinned_budget]
+                 "--host.pinned_budget_bytes", args.pinned_budget, *args.serve_args.split()]
     result: dict[str, object] = {"machine": machine_info(), "server_threads": args.threads,
                                  "server_args": SERVER[0], "scale": args.scale}
     tables = []

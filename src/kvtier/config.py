@@ -98,6 +98,10 @@ class HostConfig:
                          "through device staging: no SMs used, and loads and stores at once "
                          "share the bus better with large pages; needs page_first and a CUDA "
                          "12.8+ driver).", choices=("kernel", "copy_engine"))
+    store_programs: int = opt(16, "Grid cap of the device->host copy kernels (write-through "
+                              "and write-back copies); 0: one program per SM. A store runs "
+                              "beside the forward, which wants every SM; on the H200 16 "
+                              "programs store at the bus rate as one per SM does.", minimum=0)
     copy_staging_bytes: int = opt(64 << 20, "Device staging per direction for the copy_engine "
                                   "path (at least one page).", minimum=1 << 20, size=True)
     prefetch_share: float = opt(0.5, "Share of the host pool reserved for prefetch landing; the "

@@ -48,8 +48,13 @@ def bind_host_pool(ctx: CacheContext, pool: HostPool | None, config: KvtierConfi
         ctx.copy = ctx.admission = None
         return
     host = config.host
+    store_config = None
+    if host.store_programs and ctx.device_pool.kv.device.type == "cuda":
+        from kvtier.transfer.kernels import KernelConfig
+
+        store_config = KernelConfig(max_programs=host.store_programs)
     ctx.copy = CopyEngine(ctx.device_pool, pool, path=host.copy_path,
-                          staging_bytes=host.copy_staging_bytes)
+                          staging_bytes=host.copy_staging_bytes, store_config=store_config)
     if restart_workers or ctx.stores:
         ctrl = config.controller
         ctx.workers = IOWorkers(pool, ctrl.io_workers, ctrl.io_queue_depth)
