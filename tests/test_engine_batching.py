@@ -250,3 +250,15 @@ def test_a_hit_still_loading_waits_out_of_the_steps_while_others_decode():
     alone.kv.ticket.alone = True
     engine.step([alone])                         # nothing else to run: it steps at once
     assert alone.generated == 1 and engine.counters["deferred_for_load"] == 3
+
+
+def test_closing_the_service_gives_its_device_pool_back_while_it_is_still_referenced():
+    import weakref
+
+    for cache in ("true", "false"):
+        service = _service(2, cache__enabled=cache)
+        _run(service, [_prompt(40, 3)], 2)
+        pool = weakref.ref(service.engine.pages.kv)
+        service.close()
+        assert pool() is None, f"cache.enabled={cache}: the closed service still holds its pool"
+        assert service.engine.pages.kv.numel() == 0

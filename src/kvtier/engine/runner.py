@@ -267,6 +267,12 @@ class Engine:
                                          None if error is None else str(error),
                                          None if error is None else type(error).__name__))
 
+    def release(self) -> None:
+        """After the engine thread stopped: drop the captured graphs (and their memory pools)
+        and give the device page pool back; the engine cannot step again."""
+        self.decode_graphs = self.suffix = None
+        self.pages.device_pool.release()
+
     def stats(self) -> dict[str, Any]:
         served = ({"suffix_graph_steps": self.suffix.served, "suffix_graphs": self.suffix.stats()}
                   if self.suffix is not None else {})

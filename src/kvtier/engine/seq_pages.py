@@ -29,6 +29,7 @@ import torch
 from kvtier.engine.prefix import PrefixCache, _attribute
 from kvtier.engine.request import PrefillReport
 from kvtier.errors import PoolExhausted
+from kvtier.memory.device_pool import DevicePool
 
 
 @dataclass
@@ -48,7 +49,7 @@ class SeqPages:
 class PlainPages:
     """Pages from a pool of the engine's own; no cache, nothing shared."""
 
-    def __init__(self, pool: Any) -> None:
+    def __init__(self, pool: DevicePool) -> None:
         self.device_pool = pool
         self.page_size = int(pool.kv.shape[3])
 
@@ -90,6 +91,10 @@ class CachedPages(PlainPages):
     def __init__(self, prefix: PrefixCache) -> None:
         self.prefix, self.tiered = prefix, prefix.tiered
         self.page_size = prefix.page_size
+
+    @property
+    def device_pool(self) -> DevicePool:
+        return self.tiered.device_pool
 
     @property
     def kv(self) -> torch.Tensor:

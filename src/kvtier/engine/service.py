@@ -100,11 +100,14 @@ class EngineService:
         return self.kv_events.stats() if self.kv_events is not None else None
 
     def close(self) -> None:
+        """Stop the engine thread and the cache, then give back the device memory: the page
+        pool and the captured graphs go now, not when the last reference to the service does."""
         self.scheduler.stop()
         if self.kv_events is not None:
             self.kv_events.close()
         if self.prefix_cache is not None:
             self.prefix_cache.close()
+        self.engine.release()
 
 
 def _kv_events(config: KvtierConfig, prefix_cache: Any) -> Any:

@@ -56,6 +56,13 @@ class DevicePool:
         self.kv.view(torch.uint8).zero_()
         self.allocator = PageAllocator(num_pages, name=name)
 
+    def release(self) -> None:
+        """Give the pages' device memory back once nothing reads or writes them any more (the
+        pool's owner closed): ``kv`` becomes an empty tensor of the same layout, so a holder
+        that kept the pool does not keep its memory."""
+        empty = (*self.kv.shape[:2], 0, *self.kv.shape[3:])
+        self.kv = torch.empty(empty, dtype=self.kv.dtype, device=self.device)
+
     @classmethod
     def from_free_memory(cls, layout: KVLayout, fraction: float,
                          device: str | torch.device = "cuda") -> DevicePool:
