@@ -19,8 +19,10 @@ Pages, pool pages and blocks are scattered (random permutations). ``load ms`` is
 TTFT-shaped figure: from the first copy until every layer of the prefix sits in vLLM's tensors
 (median of ``--repeats`` runs after a warm-up); ``GB/s`` is the prefix's KV bytes over it and
 ``ratio`` that rate over the pinned ``copy_`` rate of the same run (goal: >= 0.90 at 16-token
-blocks). ``exact`` compares every block of every layer with the host pages as 16-bit words,
-after the tensors were zeroed before the path ran.
+blocks). ``issue ms`` is the time the calling thread spent issuing the path (plans, id
+uploads, launches; on the GPU the copies run behind it). ``exact`` compares every block of
+every layer with the host pages as 16-bit words, after the tensors were zeroed before the path
+ran.
 
 Run on a GPU: ``PYTHONPATH=src:benchmarks python3 benchmarks/vllm_copy_gpu.py --json
 $OUT/vllm_copy_h200.json`` (llama3-8b's KV shape: 32 layers, 8 KV heads x 128, bf16; prefixes
@@ -51,18 +53,22 @@ class Clock:
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
 
-    def time(self, work: Callable[[], None]) -> float:
+    def time(self, work: Callable[[], None]) -> tuple[float, float]:
+        """Seconds until the work landed, and seconds the calling thread spent issuing it."""
         if not self.cuda:
             start = time.perf_counter()
             work()
-            return time.perf_counter() - start
+            spent = time.perf_counter() - start
+            return spent, spent
         torch.cuda.synchronize()
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
+        start = time.perf_counter()
         work()
+        issued = time.perf_counter() - start
         end.record()
         end.synchronize()
-        return begin.elapsed_time(end) / 1e3
+        return begin.elapsed_time(end) / 1e3, issued
 
 
 class Setup:
@@ -123,9 +129,7 @@ def paths(setup: Setup, kind: str, kv: list[torch.Tensor]) -> dict[str, Callable
     stage = PreparedCopy(make_plan("load", host_geo, pool_geo, setup.host_ids, setup.pool_ids),
                          setup.pool, host)
     from_pool = BlockCopier.for_device_pool(layout, setup.pool)
-    pool_ids = from_pool.ids(setup.pool_ids, setup.block_ids, dev)
     from_host = BlockCopier(layout, host, host_geo, setup.pool.element_size())
-    host_ids = from_host.ids(setup.host_ids, setup.block_ids, dev)
     block = setup.block
     tokens = torch.arange(setup.pages * block)
     rows = (torch.from_numpy(setup.pool_ids)[tokens // block] * block + tokens % block).to(dev)
@@ -138,10 +142,12 @@ def paths(setup: Setup, kind: str, kv: list[torch.Tensor]) -> dict[str, Callable
         for layer in range(lay.num_layers):
             baseline_dst[layer].copy_(baseline_src[layer], non_blocking=True)
 
-    def connector() -> None:
+    def connector() -> None:        # what wait_for_layer_load does for one request
         stage.launch()
+        plan = from_pool.plan("load", setup.pool_ids, setup.block_ids)
+        ids = from_pool.ids(plan, dev)
         for layer, tensor in enumerate(kv):
-            from_pool.load(layer, setup.pool_ids, setup.block_ids, tensor, pool_ids)
+            from_pool.copy(plan, layer, tensor, ids)
 
     def torch_rows() -> None:
         stage.launch()
@@ -149,8 +155,10 @@ def paths(setup: Setup, kind: str, kv: list[torch.Tensor]) -> dict[str, Callable
             layout.write(tensor, slots, flat[layer, 0][rows], flat[layer, 1][rows])
 
     def direct() -> None:
+        plan = from_host.plan("load", setup.host_ids, setup.block_ids)
+        ids = from_host.ids(plan, dev)
         for layer, tensor in enumerate(kv):
-            from_host.load(layer, setup.host_ids, setup.block_ids, tensor, host_ids)
+            from_host.copy(plan, layer, tensor, ids)
 
     return {"pinned copy_": pinned, "connector": connector, "connector, torch rows": torch_rows,
             "direct": direct}
@@ -184,13 +192,16 @@ def measure(args: argparse.Namespace, device: torch.device) -> list[dict[str, An
                     for tensor in kv:
                         tensor.zero_()
                     clock.time(work)                       # warm-up (and kernel compile)
-                    times = [clock.time(work) for _ in range(args.repeats)]
+                    runs = [clock.time(work) for _ in range(args.repeats)]
+                    times = [landed for landed, _ in runs]
                     seconds = statistics.median(times)
+                    issue_ms = statistics.median(issued for _, issued in runs) * 1e3
                     ok = None if name == "pinned copy_" else exact(setup, kind, kv)
                     results[name] = setup.nbytes / seconds / GB
                     rows.append({"layout": kind, "block": block, "prefix": prefix, "path": name,
                                  "bytes": setup.nbytes, "load_ms": seconds * 1e3,
                                  "load_ms_all": [t * 1e3 for t in times],
+                                 "issue_ms": issue_ms,
                                  "gb_per_s": results[name],
                                  "ratio": results[name] / results["pinned copy_"],
                                  "exact": ok})
@@ -230,9 +241,11 @@ def main() -> None:
             setattr(args, key, value)
     rows = measure(args, device)
     table = format_table(
-        ["layout", "block", "prefix", "path", "MiB", "load ms", "GB/s", "ratio", "exact"],
+        ["layout", "block", "prefix", "path", "MiB", "load ms", "issue ms", "GB/s", "ratio",
+         "exact"],
         [[r["layout"], r["block"], r["prefix"], r["path"], r["bytes"] / 2**20,
-          r["load_ms"], r["gb_per_s"], r["ratio"], "-" if r["exact"] is None else r["exact"]]
+          r["load_ms"], r["issue_ms"], r["gb_per_s"], r["ratio"],
+          "-" if r["exact"] is None else r["exact"]]
          for r in rows])
     print(table)
     if args.json:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from kvtier.integrations.vllm_layout import BlockLayout
-from kvtier.transfer.plan import PoolGeometry, device_geometry, make_plan
+from kvtier.transfer.plan import CopyPlan, PoolGeometry, device_geometry, make_plan
 
 #: Layouts whose blocks are a canonical page layer (K part, then V part, each contiguous).
 KERNEL_KINDS = ("flash", "flashinfer")
@@ -82,28 +82,37 @@ class BlockCopier:
         geometry = device_geometry(KVLayout(layers, heads, dim, dtype, page_size), pages)
         return cls(layout, pool_kv, geometry, pool_kv.element_size(), kernel_config)
 
-    def ids(self, sources: torch.Tensor | np.ndarray, destinations: torch.Tensor | np.ndarray,
-            device: torch.device) -> torch.Tensor:
-        """A copy's ``[2, n]`` id pairs (row 0 the source ids: pages of a load, blocks of a
-        save) on ``device``, uploaded once for every layer (from pageable memory, as the copy
-        engine's ids are)."""
-        pairs = np.stack([np.asarray(sources, dtype=np.int64),
-                          np.asarray(destinations, dtype=np.int64)])
-        uploaded = torch.from_numpy(pairs)
-        return uploaded.to(device, non_blocking=True) if device.type == "cuda" else uploaded
+    def plan(self, direction: str, sources: np.ndarray, destinations: np.ndarray) -> CopyPlan:
+        """A checked copy of every layer (``load``: pool pages -> blocks; ``store``: blocks ->
+        pool pages), made once per request and launched layer by layer."""
+        if direction == "load":
+            return make_plan("load", self.pool_geometry, self.vllm_geometry, sources,
+                             destinations)
+        return make_plan("store", self.vllm_geometry, self.pool_geometry, sources, destinations)
+
+    @staticmethod
+    def ids(plan: CopyPlan, device: torch.device) -> torch.Tensor:
+        """``plan``'s ``[2, n]`` id pairs on ``device``, uploaded once for every layer (from
+        pageable memory, as the copy engine's ids are)."""
+        from kvtier.transfer.kernels import upload_ids
+
+        return upload_ids(plan, device)
+
+    def copy(self, plan: CopyPlan, layer: int, kv: torch.Tensor,
+             ids: torch.Tensor | None = None) -> None:
+        """Launch layer ``layer`` of ``plan`` with ``kv`` as that layer's vLLM tensor, on the
+        current stream (``ids``: ``ids(plan)`` uploaded before, else uploaded now)."""
+        from kvtier.transfer.kernels import PreparedCopy
+
+        if plan.num_pages:
+            PreparedCopy(plan, kv, self.pool, self.kernel_config, ids).launch(layer, 1)
 
     def load(self, layer: int, pages: np.ndarray, blocks: np.ndarray, kv: torch.Tensor,
              ids: torch.Tensor | None = None) -> None:
         """Copy layer ``layer`` of kvtier ``pages`` into vLLM ``blocks`` of ``kv``."""
-        from kvtier.transfer.kernels import PreparedCopy
-
-        plan = make_plan("load", self.pool_geometry, self.vllm_geometry, pages, blocks, layer)
-        PreparedCopy(plan, kv, self.pool, self.kernel_config, ids).launch()
+        self.copy(self.plan("load", pages, blocks), layer, kv, ids)
 
     def save(self, layer: int, blocks: np.ndarray, pages: np.ndarray, kv: torch.Tensor,
              ids: torch.Tensor | None = None) -> None:
         """Copy vLLM ``blocks`` of ``kv`` into layer ``layer`` of kvtier ``pages``."""
-        from kvtier.transfer.kernels import PreparedCopy
-
-        plan = make_plan("store", self.vllm_geometry, self.pool_geometry, blocks, pages, layer)
-        PreparedCopy(plan, kv, self.pool, self.kernel_config, ids).launch()
+        self.copy(self.plan("store", blocks, pages), layer, kv, ids)

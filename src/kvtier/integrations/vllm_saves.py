@@ -48,7 +48,8 @@ class PromptSave:
     #: layer moves as whole blocks (``rows``/``slots`` serve any other page size).
     blocks: torch.Tensor | None = None
     pages: torch.Tensor | None = None
-    kernel_ids: Any = None             # the blocks' and pages' ids on the device (kernels)
+    kernel_plan: Any = None            # the kernels' checked copy of every layer, and its
+    kernel_ids: Any = None             # block and page ids on the device (made at layer 0)
     layers_copied: int = 0
     copy_cpu_us: int = 0               # CPU time of its layer copies, counted at commit
     ready: Any = None                  # CUDA event after the forward's copies (None on the CPU)
@@ -113,10 +114,11 @@ class SaveCopier:
         kv = self.kv_caches[layer] if kv_layer is None else kv_layer
         pool = self.runtime.cache.device_pool.kv
         if save.blocks is not None and save.pages is not None and self.blocks is not None:
-            if save.kernel_ids is None:
-                save.kernel_ids = self.blocks.ids(save.blocks, save.pages, pool.device)
-            self.blocks.save(layer, save.blocks.numpy(), save.pages.numpy(), kv,
-                             save.kernel_ids)
+            if save.kernel_plan is None:
+                save.kernel_plan = self.blocks.plan("store", save.blocks.numpy(),
+                                                    save.pages.numpy())
+                save.kernel_ids = self.blocks.ids(save.kernel_plan, pool.device)
+            self.blocks.copy(save.kernel_plan, layer, kv, save.kernel_ids)
         elif save.blocks is not None:
             keys, values = self.layout.read_blocks(kv, save.blocks.to(kv.device))
             pages = save.pages.to(pool.device)

@@ -40,6 +40,7 @@ from kvtier.integrations.vllm_layout import BlockLayout, block_layout, check_cpu
 from kvtier.integrations.vllm_runtime import ConnectorRuntime
 from kvtier.integrations.vllm_saves import PromptSave, SaveCopier
 from kvtier.integrations.vllm_specs import LoadSpec
+from kvtier.transfer.plan import CopyPlan
 
 if TYPE_CHECKING:
     from kvtier.integrations.vllm_scheduler import KvtierConnectorMetadata
@@ -50,7 +51,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Move:
     """Rows of one request to move: ``rows`` in kvtier's staging pages, ``slots`` in vLLM's;
-    with the block kernels, whole ``blocks`` from ``pages`` (``ids``: both, uploaded) and only
+    with the block kernels, whole blocks by ``plan`` (``ids``: its ids, uploaded once) and only
     the rows of partly loaded blocks by slot."""
 
     req_id: str
@@ -58,8 +59,7 @@ class _Move:
     slots: torch.Tensor
     handle: Any = None                 # load: the staged Loaded; save: (tokens, salt, page ids)
     layers: set[int] = field(default_factory=set)
-    pages: np.ndarray | None = None
-    blocks: np.ndarray | None = None
+    plan: CopyPlan | None = None
     ids: torch.Tensor | None = None
 
 
@@ -130,9 +130,11 @@ class WorkerSide:
         whole = (tokens >= first * page) & (tokens < stop * page)
         block_pages = pages[(torch.arange(first, stop) * page - loaded.start_tokens) // page]
         page_ids, block_ids = block_pages.numpy(), np.asarray(spec.block_ids[first:stop])
-        return _Move(spec.req_id, rows[~whole], slots[~whole], loaded, pages=page_ids,
-                     blocks=block_ids,
-                     ids=self.blocks.ids(page_ids, block_ids, self.blocks.pool.device))
+        move = _Move(spec.req_id, rows[~whole], slots[~whole], loaded)
+        if len(page_ids):
+            move.plan = self.blocks.plan("load", page_ids, block_ids)
+            move.ids = self.blocks.ids(move.plan, self.blocks.pool.device)
+        return move
 
     def _fail_load(self, spec: LoadSpec, loaded: Any) -> None:
         block = self.runtime.shape.block_size
@@ -157,9 +159,8 @@ class WorkerSide:
             if layer in move.layers:
                 continue
             kv = self.kv_caches[layer_name]
-            if self.blocks is not None and move.pages is not None and move.blocks is not None \
-                    and len(move.pages):
-                self.blocks.load(layer, move.pages, move.blocks, kv, move.ids)
+            if self.blocks is not None and move.plan is not None:
+                self.blocks.copy(move.plan, layer, kv, move.ids)
             if len(move.rows):
                 keys = pool[layer, 0].flatten(0, 1)[move.rows]
                 values = pool[layer, 1].flatten(0, 1)[move.rows]
