@@ -4,8 +4,9 @@ For each vLLM layout (flash-attention ``[2, blocks, block, heads, dim]`` and Fla
 ``[blocks, 2, block, heads, dim]``, one tensor per layer), block size (kvtier's page size equal
 to it) and prefix length, side by side in one run:
 
-- ``pinned copy_``: one ``Tensor.copy_`` per layer of the same bytes from a contiguous pinned
-  buffer to a contiguous device buffer: the pinned PCIe rate, the baseline of every ratio;
+- ``pinned copy_``: one ``Tensor.copy_`` per layer of the same bytes from a contiguous buffer
+  of torch's pinned memory to a contiguous device buffer: the pinned PCIe rate, the baseline of
+  every ratio;
 - ``connector``: the path of a host hit in kvtier's vLLM connector: the scheduler half's
   ``TieredCache.load`` (one launch of kvtier's transfer kernel, host pages -> kvtier's device
   pool) and then the worker half's ``wait_for_layer_load`` for every layer (``vllm_blocks``:
@@ -98,6 +99,9 @@ class Setup:
         self.pool = torch.empty(args.layers, 2, spare, block, args.kv_heads, args.head_dim,
                                 dtype=self.dtype, device=device)
         self.nbytes = self.pages * self.layout.page_bytes
+        #: The baseline's source: the same byte count in torch's own pinned memory.
+        self.pinned = torch.empty(args.layers, self.nbytes // args.layers, dtype=torch.uint8,
+                                  pin_memory=device.type == "cuda")
 
         #: The host pages' bytes as the device holds them, to check results against.
         self.reference = self.host.buffer.to(device).view(torch.int16).view(
@@ -135,7 +139,7 @@ def paths(setup: Setup, kind: str, kv: list[torch.Tensor]) -> dict[str, Callable
     rows = (torch.from_numpy(setup.pool_ids)[tokens // block] * block + tokens % block).to(dev)
     slots = (torch.from_numpy(setup.block_ids)[tokens // block] * block + tokens % block).to(dev)
     flat = setup.pool.view(lay.num_layers, 2, -1, lay.num_kv_heads, lay.head_dim)
-    baseline_src = host[: setup.nbytes].view(lay.num_layers, -1)
+    baseline_src = setup.pinned
     baseline_dst = torch.empty_like(baseline_src, device=dev)
 
     def pinned() -> None:
@@ -199,6 +203,7 @@ def measure(args: argparse.Namespace, device: torch.device) -> list[dict[str, An
                     ok = None if name == "pinned copy_" else exact(setup, kind, kv)
                     results[name] = setup.nbytes / seconds / GB
                     rows.append({"layout": kind, "block": block, "prefix": prefix, "path": name,
+                                 "host_pool_pinned": setup.host.pinned,
                                  "bytes": setup.nbytes, "load_ms": seconds * 1e3,
                                  "load_ms_all": [t * 1e3 for t in times],
                                  "issue_ms": issue_ms,
