@@ -1,4 +1,4 @@
-"""Helpers of the vLLM copy-path tests: kvtier's connector worker half on plain tensors.
+"""Support code of the vLLM copy-path tests: kvtier's connector worker half on plain tensors.
 
 ``make_runtime`` builds the ``ConnectorRuntime`` both connector halves share (a ``TieredCache``
 with a host tier, the saver thread) from a model shape alone, without vLLM; ``vllm_caches``
