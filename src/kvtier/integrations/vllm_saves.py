@@ -6,9 +6,11 @@ Owns ``PromptSave`` (one prompt being stored) and ``SaveCopier`` (the tensor wor
   device tier yet (pages it holds there are reused), and skips the prompt outright when kvtier
   already holds every full page on some tier (no copy, no commit: counted ``saves_skipped_held``);
 - ``copy_layer(save, layer)`` gathers that layer's rows by slot from vLLM's KV tensor into the
-  staging pages, in kvtier's canonical row order (``vllm_layout``): one gather and one scatter
-  per layer and prompt (of whole blocks when kvtier's page size is vLLM's block size, else of
-  token rows), no loop over blocks;
+  staging pages, in kvtier's canonical row order (``vllm_layout``): per layer and prompt one
+  launch of kvtier's transfer kernel over whole blocks where ``vllm_blocks`` applies (CUDA,
+  flash-attention or FlashInfer layout, page size = block size), else one gather and one
+  scatter (of whole blocks when the page size is the block size, else of token rows), no loop
+  over blocks;
 - ``commit(save)`` hands the pages to ``TieredCache.commit`` (write policy: host copy, store
   backups on kvtier's IO threads) and records the KV event; ``abandon(save)`` frees them.
 
@@ -27,9 +29,10 @@ from typing import Any
 import torch
 
 from kvtier.errors import KvtierError
+from kvtier.integrations.vllm_blocks import BlockCopier
 from kvtier.integrations.vllm_layout import BlockLayout
 from kvtier.integrations.vllm_runtime import ConnectorRuntime
-from kvtier.integrations.vllm_scheduler import SaveSpec
+from kvtier.integrations.vllm_specs import SaveSpec
 
 
 @dataclass(eq=False)
@@ -45,6 +48,8 @@ class PromptSave:
     #: layer moves as whole blocks (``rows``/``slots`` serve any other page size).
     blocks: torch.Tensor | None = None
     pages: torch.Tensor | None = None
+    kernel_plan: Any = None            # the kernels' checked copy of every layer, and its
+    kernel_ids: Any = None             # block and page ids on the device (made at layer 0)
     layers_copied: int = 0
     copy_cpu_us: int = 0               # CPU time of its layer copies, counted at commit
     ready: Any = None                  # CUDA event after the forward's copies (None on the CPU)
@@ -59,10 +64,11 @@ class SaveCopier:
     """The tensor work of saves over one runtime and vLLM's registered KV tensors."""
 
     def __init__(self, runtime: ConnectorRuntime, kv_caches: dict[str, torch.Tensor],
-                 layout: BlockLayout) -> None:
+                 layout: BlockLayout, blocks: BlockCopier | None = None) -> None:
         self.runtime = runtime
         self.kv_caches = [kv_caches[name] for name in runtime.shape.layer_names]
         self.layout = layout
+        self.blocks = blocks            # whole-block kernel copies, where they apply
 
     @property
     def num_layers(self) -> int:
@@ -107,7 +113,13 @@ class SaveCopier:
         started = time.thread_time()
         kv = self.kv_caches[layer] if kv_layer is None else kv_layer
         pool = self.runtime.cache.device_pool.kv
-        if save.blocks is not None:
+        if save.blocks is not None and save.pages is not None and self.blocks is not None:
+            if save.kernel_plan is None:
+                save.kernel_plan = self.blocks.plan("store", save.blocks.numpy(),
+                                                    save.pages.numpy())
+                save.kernel_ids = self.blocks.ids(save.kernel_plan, pool.device)
+            self.blocks.copy(save.kernel_plan, layer, kv, save.kernel_ids)
+        elif save.blocks is not None:
             keys, values = self.layout.read_blocks(kv, save.blocks.to(kv.device))
             pages = save.pages.to(pool.device)
             pool[layer, 0].index_copy_(0, pages, keys.to(pool.dtype))

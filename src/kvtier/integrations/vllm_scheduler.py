@@ -1,7 +1,8 @@
 """The scheduler half of kvtier's vLLM connector: which tokens to load and which to store.
 
-Owns ``SchedulerSide`` and the per-step ``KvtierConnectorMetadata`` it builds (``LoadSpec`` and
-``SaveSpec``). Runs on vLLM's scheduling thread, over request ids, token ids and block ids only.
+Owns ``SchedulerSide`` and the per-step ``KvtierConnectorMetadata`` it builds (``LoadSpec``
+and ``SaveSpec``, defined in ``vllm_specs``). Runs on vLLM's scheduling thread, over request
+ids, token ids and block ids only.
 
 A hit is claimed only once it can be delivered: ``get_num_new_matched_tokens`` matches the
 prompt in kvtier's index over every tier (keys seeded with the request's ``cache_salt``) and
@@ -28,6 +29,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.integrations.vllm_runtime import ConnectorRuntime
+from kvtier.integrations.vllm_specs import LoadSpec, SaveSpec
+
+__all__ = ["KvtierConnectorMetadata", "LoadSpec", "SaveSpec", "SchedulerSide"]
 
 #: Which vLLM hit source each kvtier tier reports as (kvtier's staging pages are host memory).
 TIER_SOURCES: dict[str, CacheHitSource] = {
@@ -38,26 +42,6 @@ TIER_SOURCES: dict[str, CacheHitSource] = {
 
 #: A request's ``kv_transfer_params`` key: False keeps kvtier out of that request.
 OPT_OUT_KEY = "kvtier_cache"
-
-
-@dataclass(frozen=True)
-class LoadSpec:
-    """Copy tokens ``[start, end)`` of a request from its staged pages into ``block_ids``."""
-
-    req_id: str
-    start: int
-    end: int
-    block_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class SaveSpec:
-    """Store the full pages of ``tokens`` (a prompt prefix) from ``block_ids``."""
-
-    req_id: str
-    tokens: tuple[int, ...]
-    salt: str | None
-    block_ids: tuple[int, ...]
 
 
 @dataclass

@@ -6,15 +6,18 @@ Owns ``WorkerSide``. Runs on vLLM's model-runner thread, inside the forward:
   pages, destination slots in vLLM's blocks); vLLM calls it before the forward when the step
   has synchronous loads (kvtier's always are) and after it otherwise;
 - ``wait_for_layer_load(layer)`` copies that layer's loaded rows just before its attention runs,
-  so loading proceeds layer by layer with the forward;
+  so loading proceeds layer by layer with the forward: on CUDA with flash-attention's or
+  FlashInfer's layout and kvtier pages as large as vLLM's blocks, whole blocks with kvtier's
+  transfer kernels (``vllm_blocks``, one launch per layer and request) and only the rows of
+  partly loaded blocks by slot; otherwise every row by slot (torch gathers);
 - ``wait_for_save`` hands the step's saves (prompts whose prefill completed) to the runtime's
   saver thread (``vllm_saver``), which copies their rows out of vLLM's blocks and commits them
   to the ``TieredCache`` after the step, at idle CPU priority; vLLM keeps a finished request's
   blocks until its copy is over (``get_finished``), and ``handle_preemptions`` stops copies of
   blocks vLLM is about to reuse. On CUDA ``save_kv_layer(layer)`` copies each layer's rows in
-  the forward instead (stream-ordered, a gather per layer) and only the commit is left to the
-  saver. The forward never waits on a store: a full queue or no staging pages drop the save
-  (counted).
+  the forward instead (stream-ordered, a kernel launch or a gather per layer) and only the
+  commit is left to the saver. The forward never waits on a store: a full queue or no staging
+  pages drop the save (counted).
 
 A load whose staged pages are gone reports its blocks through ``get_block_ids_with_load_errors``
 (vLLM then recomputes them, or fails the request under the ``fail`` policy). Rows are in
@@ -26,34 +29,45 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from kvtier.errors import KvtierError
+from kvtier.integrations.vllm_blocks import BlockCopier, kernels_fit
 from kvtier.integrations.vllm_layout import BlockLayout, block_layout, check_cpu_layout
 from kvtier.integrations.vllm_runtime import ConnectorRuntime
 from kvtier.integrations.vllm_saves import PromptSave, SaveCopier
-from kvtier.integrations.vllm_scheduler import KvtierConnectorMetadata, LoadSpec
+from kvtier.integrations.vllm_specs import LoadSpec
+from kvtier.transfer.plan import CopyPlan
+
+if TYPE_CHECKING:
+    from kvtier.integrations.vllm_scheduler import KvtierConnectorMetadata
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class _Move:
-    """Rows of one request to move: ``rows`` in kvtier's staging pages, ``slots`` in vLLM's."""
+    """Rows of one request to move: ``rows`` in kvtier's staging pages, ``slots`` in vLLM's;
+    with the block kernels, whole blocks by ``plan`` (``ids``: its ids, uploaded once) and only
+    the rows of partly loaded blocks by slot."""
 
     req_id: str
     rows: torch.Tensor
     slots: torch.Tensor
     handle: Any = None                 # load: the staged Loaded; save: (tokens, salt, page ids)
     layers: set[int] = field(default_factory=set)
+    plan: CopyPlan | None = None
+    ids: torch.Tensor | None = None
 
 
 class WorkerSide:
     """See the module docstring."""
 
-    def __init__(self, runtime: ConnectorRuntime, copy_in_forward: bool = False) -> None:
+    def __init__(self, runtime: ConnectorRuntime, copy_in_forward: bool = False,
+                 use_kernels: bool | None = None) -> None:
         self.runtime = runtime
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.layout: BlockLayout | None = None
@@ -66,6 +80,10 @@ class WorkerSide:
         #: Saves copy inside the forward on CUDA (stream-ordered); elsewhere the saver does.
         self.copy_in_forward = copy_in_forward
         self.copier: SaveCopier | None = None
+        #: Whole blocks move with kvtier's transfer kernels (``vllm_blocks``) where the layout
+        #: allows; None: on CUDA only (tests pass True to run them under TRITON_INTERPRET=1).
+        self.use_kernels = use_kernels
+        self.blocks: BlockCopier | None = None
 
     # ---- set-up ----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], backend: str,
@@ -80,10 +98,16 @@ class WorkerSide:
             check_cpu_layout(layout, first.dtype, cpu_write_op)
         self.kv_caches = {name: kv_caches[name] for name in shape.layer_names}
         self.layout = layout
-        self.copier = SaveCopier(self.runtime, self.kv_caches, layout)
+        pool = self.runtime.cache.device_pool.kv
+        wanted = first.device.type == "cuda" if self.use_kernels is None else self.use_kernels
+        fits = all(kernels_fit(layout, kv, pool, self.runtime.page_size)
+                   for kv in self.kv_caches.values())
+        self.blocks = BlockCopier.for_device_pool(layout, pool) if wanted and fits else None
+        self.copier = SaveCopier(self.runtime, self.kv_caches, layout, self.blocks)
         self.runtime.saver.copier = self.copier
-        log.info("kvtier connector: %s KV layout, %d blocks of %d tokens", layout.kind,
-                 layout.num_blocks, layout.block_size)
+        log.info("kvtier connector: %s KV layout, %d blocks of %d tokens, copies by %s",
+                 layout.kind, layout.num_blocks, layout.block_size,
+                 "transfer kernels" if self.blocks is not None else "torch gathers")
 
     # ---- loads -----------------------------------------------------------------------------
     def start_load_kv(self, meta: KvtierConnectorMetadata) -> None:
@@ -98,7 +122,19 @@ class WorkerSide:
         tokens = torch.arange(spec.start, spec.end)
         pages = torch.tensor(loaded.device_page_ids, dtype=torch.long)
         rows = pages[(tokens - loaded.start_tokens) // page] * page + tokens % page
-        return _Move(spec.req_id, rows, self._slots(spec.block_ids, tokens), loaded)
+        slots = self._slots(spec.block_ids, tokens)
+        if self.blocks is None:
+            return _Move(spec.req_id, rows, slots, loaded)
+        # Page size is block size: blocks inside [start, end) move whole, the rest by row.
+        first, stop = -(-spec.start // page), spec.end // page
+        whole = (tokens >= first * page) & (tokens < stop * page)
+        block_pages = pages[(torch.arange(first, stop) * page - loaded.start_tokens) // page]
+        page_ids, block_ids = block_pages.numpy(), np.asarray(spec.block_ids[first:stop])
+        move = _Move(spec.req_id, rows[~whole], slots[~whole], loaded)
+        if len(page_ids):
+            move.plan = self.blocks.plan("load", page_ids, block_ids)
+            move.ids = self.blocks.ids(move.plan, self.blocks.pool.device)
+        return move
 
     def _fail_load(self, spec: LoadSpec, loaded: Any) -> None:
         block = self.runtime.shape.block_size
@@ -122,9 +158,13 @@ class WorkerSide:
         for move in self._loads:
             if layer in move.layers:
                 continue
-            keys = pool[layer, 0].flatten(0, 1)[move.rows]
-            values = pool[layer, 1].flatten(0, 1)[move.rows]
-            self.layout.write(self.kv_caches[layer_name], move.slots, keys, values)
+            kv = self.kv_caches[layer_name]
+            if self.blocks is not None and move.plan is not None:
+                self.blocks.copy(move.plan, layer, kv, move.ids)
+            if len(move.rows):
+                keys = pool[layer, 0].flatten(0, 1)[move.rows]
+                values = pool[layer, 1].flatten(0, 1)[move.rows]
+                self.layout.write(kv, move.slots, keys, values)
             move.layers.add(layer)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -1,0 +1,291 @@
+"""Loading a prefix's KV from kvtier's pinned host tier into vLLM-shaped KV tensors, per layout.
+
+For each vLLM layout (flash-attention ``[2, blocks, block, heads, dim]`` and FlashInfer
+``[blocks, 2, block, heads, dim]``, one tensor per layer), block size (kvtier's page size equal
+to it) and prefix length, side by side in one run:
+
+- ``pinned copy_``: one ``Tensor.copy_`` per layer of the same bytes from a contiguous buffer
+  of torch's pinned memory to a contiguous device buffer: the pinned PCIe rate, the baseline of
+  every ratio;
+- ``connector``: the path of a host hit in kvtier's vLLM connector: the scheduler half's
+  ``TieredCache.load`` (one launch of kvtier's transfer kernel, host pages -> kvtier's device
+  pool) and then the worker half's ``wait_for_layer_load`` for every layer (``vllm_blocks``:
+  one launch per layer, pool pages -> vLLM blocks);
+- ``connector, 4/SM``: the same with the worker's copies on four programs per multiprocessor;
+- ``connector, torch rows``: the same with the worker's copy done by torch indexing by slot
+  (what the worker does where the kernels do not apply);
+- ``direct``: kvtier's kernel from the pinned host pages straight into vLLM's blocks, one launch
+  per layer (the layout conversion alone at the bus's rate, no device pool in between).
+
+Pages, pool pages and blocks are scattered (random permutations). ``load ms`` is the
+TTFT-shaped figure: from the first copy until every layer of the prefix sits in vLLM's tensors
+(median of ``--repeats`` runs after a warm-up); ``GB/s`` is the prefix's KV bytes over it and
+``ratio`` that rate over the pinned ``copy_`` rate of the same run (goal: >= 0.90 at 16-token
+blocks). ``issue ms`` is the time the calling thread spent issuing the path (plans, id
+uploads, launches; on the GPU the copies run behind it). ``exact`` compares every block of
+every layer with the host pages as 16-bit words, after the tensors were zeroed before the path
+ran.
+
+Run on a GPU: ``PYTHONPATH=src:benchmarks python3 benchmarks/vllm_copy_gpu.py --json
+$OUT/vllm_copy_h200.json`` (llama3-8b's KV shape: 32 layers, 8 KV heads x 128, bf16; prefixes
+of 4k and 32k tokens). On the CPU (``--device cpu``: tiny shapes, kernels under
+TRITON_INTERPRET=1, no pinned memory) it checks the script and exactness only; its rates mean
+nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvtier.machine import format_table, write_report
+
+GB = 1e9
+#: A wider grid for the worker's device-to-device block copies than the kernels' default (one
+#: program per multiprocessor, chosen for host copies, which the bus limits): a row of its own,
+#: so the worker's grid can be chosen from a measurement rather than assumed.
+WIDE_PROGRAMS_PER_SM = 4
+#: The connector path's rate over the pinned ``copy_`` rate it should reach (issue #19).
+GOAL_RATIO = 0.90
+
+
+class Clock:
+    """Wall time of a piece of device work (CUDA events, or the CPU's clock)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def time(self, work: Callable[[], None]) -> tuple[float, float]:
+        """Seconds until the work landed, and seconds the calling thread spent issuing it."""
+        if not self.cuda:
+            start = time.perf_counter()
+            work()
+            spent = time.perf_counter() - start
+            return spent, spent
+        torch.cuda.synchronize()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        start = time.perf_counter()
+        work()
+        issued = time.perf_counter() - start
+        end.record()
+        end.synchronize()
+        return begin.elapsed_time(end) / 1e3, issued
+
+
+class Setup:
+    """One block size and prefix: kvtier's host pool and device pool, the ids of a hit."""
+
+    def __init__(self, args: argparse.Namespace, block: int, prefix: int,
+                 device: torch.device) -> None:
+        from kvtier.layout import KVLayout
+        from kvtier.memory import HostPool, PinnedBudget
+
+        self.block, self.device = block, device
+        self.layout = KVLayout(args.layers, args.kv_heads, args.head_dim, args.dtype, block)
+        self.dtype = getattr(torch, args.dtype)
+        self.pages = prefix // block
+        self.num_blocks = self.pages + args.spare_blocks
+        spare = self.num_blocks
+        self.host = HostPool(self.layout, spare, PinnedBudget(spare * self.layout.page_bytes),
+                             host_layout="page_first")
+        gen = torch.Generator().manual_seed(block * 7919 + prefix)
+        self.host_ids = torch.randperm(spare, generator=gen)[: self.pages].numpy()
+        self.pool_ids = torch.randperm(spare, generator=gen)[: self.pages].numpy()
+        self.block_ids = torch.randperm(self.num_blocks, generator=gen)[: self.pages].numpy()
+        fill = torch.randint(-2**15, 2**15, (self.host.buffer.numel() // 2,), dtype=torch.int16,
+                             device=device)
+        self.host.buffer.view(torch.int16).copy_(fill)
+        del fill
+        self.pool = torch.empty(args.layers, 2, spare, block, args.kv_heads, args.head_dim,
+                                dtype=self.dtype, device=device)
+        self.nbytes = self.pages * self.layout.page_bytes
+        #: The baseline's source: the same byte count in torch's own pinned memory.
+        self.pinned = torch.empty(args.layers, self.nbytes // args.layers, dtype=torch.uint8,
+                                  pin_memory=device.type == "cuda")
+
+        #: The host pages' bytes as the device holds them, to check results against.
+        self.reference = self.host.buffer.to(device).view(torch.int16).view(
+            spare, args.layers, 2, block, args.kv_heads, args.head_dim)
+
+    def close(self) -> None:
+        self.host.close()
+
+
+def vllm_tensors(setup: Setup, kind: str) -> list[torch.Tensor]:
+    lay = setup.layout
+    dims = (2, setup.num_blocks) if kind == "flash" else (setup.num_blocks, 2)
+    return [torch.zeros(*dims, lay.page_size, lay.num_kv_heads, lay.head_dim, dtype=setup.dtype,
+                        device=setup.device) for _ in range(lay.num_layers)]
+
+
+def paths(setup: Setup, kind: str, kv: list[torch.Tensor]) -> dict[str, Callable[[], None]]:
+    """Each path's work: the whole prefix into ``kv``, layer by layer."""
+    from kvtier.integrations.vllm_blocks import BlockCopier
+    from kvtier.integrations.vllm_layout import BlockLayout
+    from kvtier.transfer.kernels import KernelConfig, PreparedCopy
+    from kvtier.transfer.plan import device_geometry, host_geometry, make_plan
+
+    lay, dev = setup.layout, setup.device
+    layout = BlockLayout(kind, setup.num_blocks, setup.block, lay.num_kv_heads, lay.head_dim)
+    host_geo = host_geometry(lay, setup.host.num_pages, "page_first")
+    pool_geo = device_geometry(lay, setup.pool.shape[2])
+    host = setup.host.buffer
+    stage = PreparedCopy(make_plan("load", host_geo, pool_geo, setup.host_ids, setup.pool_ids),
+                         setup.pool, host)
+    from_pool = BlockCopier.for_device_pool(layout, setup.pool)
+    wide = BlockCopier.for_device_pool(layout, setup.pool,
+                                       KernelConfig(programs_per_sm=WIDE_PROGRAMS_PER_SM))
+    from_host = BlockCopier(layout, host, host_geo, setup.pool.element_size())
+    block = setup.block
+    tokens = torch.arange(setup.pages * block)
+    rows = (torch.from_numpy(setup.pool_ids)[tokens // block] * block + tokens % block).to(dev)
+    slots = (torch.from_numpy(setup.block_ids)[tokens // block] * block + tokens % block).to(dev)
+    flat = setup.pool.view(lay.num_layers, 2, -1, lay.num_kv_heads, lay.head_dim)
+    baseline_src = setup.pinned
+    baseline_dst = torch.empty_like(baseline_src, device=dev)
+
+    def pinned() -> None:
+        for layer in range(lay.num_layers):
+            baseline_dst[layer].copy_(baseline_src[layer], non_blocking=True)
+
+    def through_pool(copier: BlockCopier) -> Callable[[], None]:
+        def run() -> None:          # the scheduler's load, then wait_for_layer_load per layer
+            stage.launch()
+            plan = copier.plan("load", setup.pool_ids, setup.block_ids)
+            ids = copier.ids(plan, dev)
+            for layer, tensor in enumerate(kv):
+                copier.copy(plan, layer, tensor, ids)
+        return run
+
+    def torch_rows() -> None:
+        stage.launch()
+        for layer, tensor in enumerate(kv):
+            layout.write(tensor, slots, flat[layer, 0][rows], flat[layer, 1][rows])
+
+    def direct() -> None:
+        plan = from_host.plan("load", setup.host_ids, setup.block_ids)
+        ids = from_host.ids(plan, dev)
+        for layer, tensor in enumerate(kv):
+            from_host.copy(plan, layer, tensor, ids)
+
+    return {"pinned copy_": pinned, "connector": through_pool(from_pool),
+            f"connector, {WIDE_PROGRAMS_PER_SM}/SM": through_pool(wide),
+            "connector, torch rows": torch_rows, "direct": direct}
+
+
+def exact(setup: Setup, kind: str, kv: list[torch.Tensor]) -> bool:
+    from kvtier.integrations.vllm_layout import BlockLayout
+
+    lay = setup.layout
+    layout = BlockLayout(kind, setup.num_blocks, setup.block, lay.num_kv_heads, lay.head_dim)
+    pages = torch.from_numpy(setup.host_ids).to(setup.device)
+    blocks = torch.from_numpy(setup.block_ids).to(setup.device)
+    for layer, tensor in enumerate(kv):
+        keys, values = layout.read_blocks(tensor, blocks)
+        expected = setup.reference[pages, layer]
+        if not (torch.equal(keys.view(torch.int16), expected[:, 0])
+                and torch.equal(values.view(torch.int16), expected[:, 1])):
+            return False
+    return True
+
+
+def measure(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
+    clock, rows = Clock(device), []
+    for block in args.blocks:
+        for prefix in args.prefixes:
+            setup = Setup(args, block, prefix, device)
+            for kind in args.layouts:
+                kv = vllm_tensors(setup, kind)
+                results: dict[str, float] = {}
+                for name, work in paths(setup, kind, kv).items():
+                    for tensor in kv:
+                        tensor.zero_()
+                    clock.time(work)                       # warm-up (and kernel compile)
+                    runs = [clock.time(work) for _ in range(args.repeats)]
+                    times = [landed for landed, _ in runs]
+                    seconds = statistics.median(times)
+                    issue_ms = statistics.median(issued for _, issued in runs) * 1e3
+                    ok = None if name == "pinned copy_" else exact(setup, kind, kv)
+                    results[name] = setup.nbytes / seconds / GB
+                    rows.append({"layout": kind, "block": block, "prefix": prefix, "path": name,
+                                 "host_pool_pinned": setup.host.pinned,
+                                 "bytes": setup.nbytes, "load_ms": seconds * 1e3,
+                                 "load_ms_all": [t * 1e3 for t in times],
+                                 "issue_ms": issue_ms,
+                                 "gb_per_s": results[name],
+                                 "ratio": results[name] / results["pinned copy_"],
+                                 "exact": ok})
+                del kv
+            setup.close()
+            del setup
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--layouts", nargs="+", default=["flash", "flashinfer"])
+    parser.add_argument("--blocks", type=int, nargs="+", default=None)
+    parser.add_argument("--prefixes", type=int, nargs="+", default=None)
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--kv-heads", type=int, default=None)
+    parser.add_argument("--head-dim", type=int, default=None)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--spare-blocks", type=int, default=64,
+                        help="blocks (and pages) beyond the prefix, so ids scatter")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    on_cpu = device.type == "cpu"
+    if on_cpu:                      # before Triton's kernels are first imported
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    tiny = {"blocks": [16], "prefixes": [64, 256], "layers": 2, "kv_heads": 2, "head_dim": 16,
+            "repeats": 2}
+    full = {"blocks": [16, 128], "prefixes": [4096, 32768], "layers": 32, "kv_heads": 8,
+            "head_dim": 128, "repeats": 5}
+    for key, value in (tiny if on_cpu else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    rows = measure(args, device)
+    table = format_table(
+        ["layout", "block", "prefix", "path", "MiB", "load ms", "issue ms", "GB/s", "ratio",
+         "exact"],
+        [[r["layout"], r["block"], r["prefix"], r["path"], r["bytes"] / 2**20,
+          r["load_ms"], r["issue_ms"], r["gb_per_s"], r["ratio"],
+          "-" if r["exact"] is None else r["exact"]]
+         for r in rows])
+    print(table)
+    goal = goal_check(rows)
+    print(goal["line"])
+    if args.json:
+        settings = {k: v for k, v in vars(args).items() if k != "json"}
+        print("wrote", write_report(args.json, "vllm_copy_gpu", {
+            "settings": settings, "rows": rows, "goal": goal, "table": table}))
+
+
+def goal_check(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The connector path's worst ratio to the pinned ``copy_`` at 16-token blocks (goal 0.90),
+    and whether every path it ran was byte-exact."""
+    worst = min((r["ratio"] for r in rows if r["block"] == 16 and r["path"] == "connector"),
+                default=None)
+    exact_all = all(r["exact"] is not False for r in rows)
+    met = worst is not None and worst >= GOAL_RATIO and exact_all
+    line = (f"goal: connector >= {GOAL_RATIO:.2f} x pinned copy_ at 16-token blocks and "
+            f"byte-exact: {'met' if met else 'not met'} (worst ratio "
+            f"{'-' if worst is None else f'{worst:.3f}'}, all exact: {exact_all})")
+    return {"ratio": GOAL_RATIO, "worst_connector_ratio_block16": worst,
+            "all_exact": exact_all, "met": met, "line": line}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Whole-block copies between a kvtier pool and vLLM's per-layer KV tensors, with kvtier's kernels.
+
+Owns ``BlockCopier`` and ``layer_geometry``. When kvtier's page size equals vLLM's block size,
+one layer of one vLLM block in flash-attention's ``[2, blocks, block, heads, dim]`` or
+FlashInfer's ``[blocks, 2, block, heads, dim]`` tensor is two contiguous parts, K then V, each
+``[block, heads, dim]``: exactly one layer of a kvtier page in its canonical order (a page is
+``[layers, K|V, page_size, heads, head_dim]``). So a block moves as a page does between kvtier's
+tiers: ``layer_geometry`` describes the vLLM tensor as a ``transfer.plan.PoolGeometry`` (its
+layer stride 0: every layer is a tensor of its own, copied one launch per layer) and the copy
+is ``transfer.kernels.PreparedCopy``, the Triton kernel kvtier's copy engine moves pages with,
+one launch per layer and request, with no per-token indexing and no staging copy. The kernel
+sees two pointers and two sets of strides; the kvtier side may be its device pool or its pinned
+host pool (the kernel reads pinned memory in place).
+
+``load`` moves pages of a kvtier pool into vLLM blocks, ``save`` blocks into pages, both for one
+layer on the caller's current stream (on CUDA: ordered after the attention that wrote them,
+before the one that reads them). Without kernels (vLLM's CPU backend, its ``[blocks, heads,
+block, 2*dim]`` layout, a page size other than the block size, a strided tensor) the caller
+keeps to ``vllm_layout``'s torch gathers. Runs on vLLM's model-runner thread (loads, forward
+saves) or kvtier's saver thread (CPU saves).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier.integrations.vllm_layout import BlockLayout
+from kvtier.transfer.plan import CopyPlan, PoolGeometry, device_geometry, make_plan
+
+#: Layouts whose blocks are a canonical page layer (K part, then V part, each contiguous).
+KERNEL_KINDS = ("flash", "flashinfer")
+
+
+def layer_geometry(layout: BlockLayout, element_size: int, num_layers: int) -> PoolGeometry:
+    """One vLLM layer tensor as a pool whose pages are its blocks (any layer: stride 0)."""
+    if layout.kind not in KERNEL_KINDS:
+        raise ValueError(f"{layout.kind} blocks are not canonical page layers")
+    part = layout.block_size * layout.kv_heads * layout.head_dim * element_size
+    n = layout.num_blocks
+    if layout.kind == "flash":      # [2, blocks, ...]: K of every block, then V of every block
+        page_stride, part_stride = part, n * part
+    else:                           # [blocks, 2, ...]: K and V of one block side by side
+        page_stride, part_stride = 2 * part, part
+    return PoolGeometry(f"vLLM {layout.kind} layer", n, part, num_layers, 2,
+                        page_stride=page_stride, layer_stride=0, part_stride=part_stride)
+
+
+def kernels_fit(layout: BlockLayout, kv: torch.Tensor, pool_kv: torch.Tensor,
+                page_size: int) -> bool:
+    """Whether ``kv`` (one layer's tensor) and kvtier's pool can be copied by the kernels."""
+    return (layout.kind in KERNEL_KINDS and layout.block_size == page_size
+            and kv.is_contiguous() and kv.dtype == pool_kv.dtype
+            and kv.device == pool_kv.device)
+
+
+class BlockCopier:
+    """Copies whole blocks of one layer between a kvtier pool and vLLM's tensor of that layer.
+
+    ``pool`` is the kvtier side as a flat byte tensor (the device pool's ``kv`` flattened, or
+    the pinned host pool's buffer), ``pool_geometry`` its strides; ``layout`` the vLLM side.
+    """
+
+    def __init__(self, layout: BlockLayout, pool: torch.Tensor, pool_geometry: PoolGeometry,
+                 element_size: int, kernel_config: Any = None) -> None:
+        self.layout = layout
+        self.pool = pool.reshape(-1).view(torch.uint8)
+        self.pool_geometry = pool_geometry
+        self.vllm_geometry = layer_geometry(layout, element_size, pool_geometry.num_layers)
+        self.kernel_config = kernel_config
+
+    @classmethod
+    def for_device_pool(cls, layout: BlockLayout, pool_kv: torch.Tensor,
+                        kernel_config: Any = None) -> BlockCopier:
+        """Over kvtier's device pool ``kv[layers, 2, pages, page_size, heads, dim]``."""
+        from kvtier.layout import KVLayout
+
+        layers, _, pages, page_size, heads, dim = pool_kv.shape
+        dtype = str(pool_kv.dtype).removeprefix("torch.")
+        geometry = device_geometry(KVLayout(layers, heads, dim, dtype, page_size), pages)
+        return cls(layout, pool_kv, geometry, pool_kv.element_size(), kernel_config)
+
+    def plan(self, direction: str, sources: np.ndarray, destinations: np.ndarray) -> CopyPlan:
+        """A checked copy of every layer (``load``: pool pages -> blocks; ``store``: blocks ->
+        pool pages), made once per request and launched layer by layer."""
+        if direction == "load":
+            return make_plan("load", self.pool_geometry, self.vllm_geometry, sources,
+                             destinations)
+        return make_plan("store", self.vllm_geometry, self.pool_geometry, sources, destinations)
+
+    @staticmethod
+    def ids(plan: CopyPlan, device: torch.device) -> torch.Tensor:
+        """``plan``'s ``[2, n]`` id pairs on ``device``, uploaded once for every layer (from
+        pageable memory, as the copy engine's ids are)."""
+        from kvtier.transfer.kernels import upload_ids
+
+        return upload_ids(plan, device)
+
+    def copy(self, plan: CopyPlan, layer: int, kv: torch.Tensor,
+             ids: torch.Tensor | None = None) -> None:
+        """Launch layer ``layer`` of ``plan`` with ``kv`` as that layer's vLLM tensor, on the
+        current stream (``ids``: ``ids(plan)`` uploaded before, else uploaded now)."""
+        from kvtier.transfer.kernels import PreparedCopy
+
+        if plan.num_pages:
+            PreparedCopy(plan, kv, self.pool, self.kernel_config, ids).launch(layer, 1)
+
+    def load(self, layer: int, pages: np.ndarray, blocks: np.ndarray, kv: torch.Tensor,
+             ids: torch.Tensor | None = None) -> None:
+        """Copy layer ``layer`` of kvtier ``pages`` into vLLM ``blocks`` of ``kv``."""
+        self.copy(self.plan("load", pages, blocks), layer, kv, ids)
+
+    def save(self, layer: int, blocks: np.ndarray, pages: np.ndarray, kv: torch.Tensor,
+             ids: torch.Tensor | None = None) -> None:
+        """Copy vLLM ``blocks`` of ``kv`` into layer ``layer`` of kvtier ``pages``."""
+        self.copy(self.plan("store", blocks, pages), layer, kv, ids)

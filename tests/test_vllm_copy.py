@@ -1,0 +1,105 @@
+"""kvtier's vLLM connector, worker half, on the CPU: prompts saved from vLLM-shaped KV tensors
+load back byte for byte into other blocks, with kvtier's transfer kernels (under
+TRITON_INTERPRET=1) and with the torch gathers; pages are canonical, so a prompt saved from
+flash-attention's layout loads into FlashInfer's. No vLLM needed (tiny shapes; the GPU
+version is ``test_vllm_copy_gpu``)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kvtier.integrations.vllm_blocks import BlockCopier, layer_geometry
+from kvtier.integrations.vllm_layout import BlockLayout
+from vllm_copy_support import as_words, make_runtime, round_trip, slots
+
+LAYERS, HEADS, DIM, BLOCK, NUM_BLOCKS = 2, 2, 16, 16, 12
+OLD, NEW = (5, 9, 2, 0, 7), (3, 11, 1, 8, 4)
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="the kernels run on the CPU only under TRITON_INTERPRET=1")
+
+
+def _prompt(n: int) -> list[int]:
+    return [(31 * i + 7) % 1000 + 5 for i in range(n)]
+
+
+def _check(save_kind, load_kind, source, target, count, block=BLOCK):
+    old, new = slots(OLD, block, count), slots(NEW, block, count)
+    save = BlockLayout(save_kind, NUM_BLOCKS, block, HEADS, DIM)
+    load = BlockLayout(load_kind, NUM_BLOCKS, block, HEADS, DIM)
+    for name in source:
+        for got, want in zip(load.read(target[name], new), save.read(source[name], old),
+                             strict=True):
+            assert torch.equal(as_words(got), as_words(want)), name
+        rest = torch.tensor(sorted(set(range(NUM_BLOCKS * block)) - set(new.tolist())))
+        for untouched in load.read(target[name], rest):
+            assert int(as_words(untouched).abs().sum()) == 0, f"{name}: a slot outside the load"
+
+
+@pytest.fixture
+def runtime(request):
+    dtype = getattr(request, "param", torch.bfloat16)
+    rt = make_runtime(LAYERS, HEADS, DIM, dtype, BLOCK, "cpu", staging_pages=16)
+    yield rt
+    rt.close(5.0)
+
+
+@interpreted
+@pytest.mark.parametrize("runtime", [torch.bfloat16, torch.float16], indirect=True)
+@pytest.mark.parametrize("kind", ["flash", "flashinfer"])
+def test_kernels_save_and_load_vllm_blocks_byte_exact(runtime, kind):
+    count = len(OLD) * BLOCK
+    worker, source, target = round_trip(runtime, kind, kind, NUM_BLOCKS, "cpu", _prompt(count),
+                                        OLD, NEW, count - 3, use_kernels=True)
+    assert worker.blocks is not None
+    _check(kind, kind, source, target, count - 3)
+    assert runtime.counts["load_errors"] == 0
+
+
+@interpreted
+@pytest.mark.parametrize("save_kind,load_kind", [("flash", "flashinfer"), ("flashinfer", "flash")])
+def test_a_prompt_saved_from_one_backend_loads_into_the_other(runtime, save_kind, load_kind):
+    count = len(OLD) * BLOCK
+    _, source, target = round_trip(runtime, save_kind, load_kind, NUM_BLOCKS, "cpu",
+                                   _prompt(count), OLD, NEW, count - 1, use_kernels=True)
+    _check(save_kind, load_kind, source, target, count - 1)
+
+
+@pytest.mark.parametrize("kind", ["flash", "flashinfer", "cpu"])
+def test_torch_gathers_save_and_load_vllm_blocks_byte_exact(runtime, kind):
+    count = len(OLD) * BLOCK
+    worker, source, target = round_trip(runtime, kind, kind, NUM_BLOCKS, "cpu", _prompt(count),
+                                        OLD, NEW, count - 5, use_kernels=False)
+    assert worker.blocks is None
+    _check(kind, kind, source, target, count - 5)
+
+
+@interpreted
+@pytest.mark.parametrize("kind", ["flash", "flashinfer"])
+def test_block_copier_writes_canonical_page_layers(kind):
+    """A block copied into a pool page is that page's layer in kvtier's order (K part, V part)."""
+    layers, pages = 3, 6
+    pool = torch.zeros(layers, 2, pages, BLOCK, HEADS, DIM, dtype=torch.float16)
+    layout = BlockLayout(kind, NUM_BLOCKS, BLOCK, HEADS, DIM)
+    copier = BlockCopier.for_device_pool(layout, pool)
+    dims = (2, NUM_BLOCKS) if kind == "flash" else (NUM_BLOCKS, 2)
+    kv = torch.randn(*dims, BLOCK, HEADS, DIM).half()
+    copier.save(1, [4, 0, 9], [2, 5, 0], kv)
+    keys, values = layout.read_blocks(kv, torch.tensor([4, 0, 9]))
+    assert torch.equal(pool[1, 0, [2, 5, 0]], keys) and torch.equal(pool[1, 1, [2, 5, 0]], values)
+    assert int(pool[[0, 2]].abs().sum()) == 0 and int(pool[1, :, [1, 3, 4]].abs().sum()) == 0
+    back = torch.zeros_like(kv)
+    copier.load(1, [2, 5, 0], [1, 11, 6], back)
+    got_k, got_v = layout.read_blocks(back, torch.tensor([1, 11, 6]))
+    assert torch.equal(got_k, keys) and torch.equal(got_v, values)
+
+
+def test_layer_geometry_spans_the_tensor_exactly():
+    for kind, dims in (("flash", (2, NUM_BLOCKS)), ("flashinfer", (NUM_BLOCKS, 2))):
+        kv = torch.zeros(*dims, BLOCK, HEADS, DIM, dtype=torch.bfloat16)
+        geo = layer_geometry(BlockLayout(kind, NUM_BLOCKS, BLOCK, HEADS, DIM), 2, LAYERS)
+        assert geo.nbytes == kv.numel() * kv.element_size()
+    with pytest.raises(ValueError, match="cpu"):
+        layer_geometry(BlockLayout("cpu", NUM_BLOCKS, BLOCK, HEADS, DIM), 2, LAYERS)

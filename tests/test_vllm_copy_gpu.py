@@ -1,0 +1,70 @@
+"""kvtier's vLLM connector, worker half, on a CUDA device: KV in flash-attention's and
+FlashInfer's layouts (GQA, 8 KV heads x 128, bf16 and fp16, 16- and 128-token blocks) is
+saved in the forward with kvtier's transfer kernels, written to kvtier's pinned host tier,
+loaded back from there through kvtier's device pool into fresh tensors at other block ids, and
+compared bit for bit; a prompt saved from one backend loads into the other. Layers scaled down
+to 4 for test time. No vLLM needed; skipped without CUDA (see conftest.py). Run with
+``TRITON_INTERPRET=0`` (conftest otherwise sets it for the CPU)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kvtier.integrations.vllm_layout import BlockLayout
+from vllm_copy_support import as_words, make_runtime, round_trip, slots
+
+pytestmark = pytest.mark.gpu
+
+LAYERS, HEADS, DIM = 4, 8, 128
+#: vLLM blocks per tensor, and the prompt's blocks before and after (scattered, reordered).
+NUM_BLOCKS = {16: 96, 128: 16}
+OLD = {16: tuple(range(90, 10, -4)), 128: (11, 2, 7, 0, 14)}
+NEW = {16: tuple(range(3, 83, 4)), 128: (5, 12, 1, 9, 3)}
+
+
+def _run(kind_save, kind_load, dtype, block, tail):
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("set TRITON_INTERPRET=0 to run the kernels compiled on the GPU")
+    old, new, n = OLD[block], NEW[block], NUM_BLOCKS[block]
+    count = len(old) * block
+    device = f"cuda:{torch.cuda.current_device()}"      # the runtime sets it on its thread
+    runtime = make_runtime(LAYERS, HEADS, DIM, dtype, block, device, staging_pages=2 * len(old))
+    try:
+        tokens = [(17 * i + 3) % 30000 + 5 for i in range(count)]
+        worker, source, target = round_trip(runtime, kind_save, kind_load, n, device, tokens,
+                                            old, new, count - tail, use_kernels=None)
+        assert worker.blocks is not None, "the CUDA path must use the transfer kernels"
+        assert runtime.counts["load_errors"] == 0
+        save = BlockLayout(kind_save, n, block, HEADS, DIM)
+        load = BlockLayout(kind_load, n, block, HEADS, DIM)
+        was, now = slots(old, block, count - tail), slots(new, block, count - tail)
+        for name in source:
+            for got, want in zip(load.read(target[name], now.to(device)),
+                                 save.read(source[name], was.to(device)), strict=True):
+                assert torch.equal(as_words(got), as_words(want)), name
+            mask = torch.ones(n * block, dtype=torch.bool)
+            mask[now] = False
+            for rest in load.read(target[name], mask.nonzero().squeeze(1).to(device)):
+                assert int(as_words(rest).abs().sum()) == 0, f"{name}: a slot outside the load"
+    finally:
+        runtime.close(10.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block", [16, 128])
+@pytest.mark.parametrize("kind", ["flash", "flashinfer"])
+def test_vllm_blocks_round_trip_through_the_host_tier_byte_exact(kind, block, dtype):
+    _run(kind, kind, dtype, block, tail=1)
+
+
+@pytest.mark.parametrize("block", [16, 128])
+def test_whole_block_loads_are_byte_exact(block):
+    _run("flashinfer", "flashinfer", torch.bfloat16, block, tail=0)
+
+
+@pytest.mark.parametrize("save_kind,load_kind", [("flash", "flashinfer"), ("flashinfer", "flash")])
+def test_pages_saved_from_one_backend_load_into_the_other(save_kind, load_kind):
+    _run(save_kind, load_kind, torch.bfloat16, 16, tail=5)

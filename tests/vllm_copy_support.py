@@ -1,0 +1,108 @@
+"""Support code of the vLLM copy-path tests: kvtier's connector worker half on plain tensors.
+
+``make_runtime`` builds the ``ConnectorRuntime`` both connector halves share (a ``TieredCache``
+with a host tier, the saver thread) from a model shape alone, without vLLM; ``vllm_caches``
+makes one KV tensor per layer in an attention backend's layout, filled with random bits;
+``Step`` is a step's metadata as the worker half reads it; ``round_trip`` saves a prompt from
+one set of tensors, drops kvtier's device copy of it and loads it back into another at other
+block ids, the way a later request's hit arrives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.integrations.vllm_options import parse_connector_config
+from kvtier.integrations.vllm_runtime import ConnectorRuntime, ModelShape, _build_cache_here
+from kvtier.integrations.vllm_saver import Saver
+from kvtier.integrations.vllm_specs import LoadSpec, SaveSpec
+from kvtier.integrations.vllm_worker import WorkerSide
+from kvtier.keys import KeyNamespace
+
+BACKENDS = {"flash": "FLASH_ATTN", "flashinfer": "FLASHINFER", "cpu": "CPU_ATTN"}
+
+
+@dataclass
+class Step:
+    """One step's metadata (what ``KvtierConnectorMetadata`` carries)."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+
+def make_runtime(layers: int, heads: int, dim: int, dtype: torch.dtype, block: int,
+                 device: str, staging_pages: int) -> ConnectorRuntime:
+    name = str(dtype).removeprefix("torch.")
+    shape = ModelShape("copy-test", tuple(f"layer.{i}" for i in range(layers)), heads, dim,
+                       name, block)
+    layout = shape.layout(block)
+    options = parse_connector_config({"staging_pages": staging_pages,
+                                      "host_pool_bytes": 2 * staging_pages * layout.page_bytes,
+                                      "background_priority": "normal"}, block)
+    namespace = KeyNamespace(shape.model, "fingerprint", name, layout.fingerprint(), block)
+    saver = Saver(options.save_queue_depth, options.background_priority)
+    cache = saver.call(lambda: _build_cache_here(options, layout, namespace, device))
+    return ConnectorRuntime(options, shape, cache, namespace, saver)
+
+
+def vllm_caches(runtime: ConnectorRuntime, kind: str, num_blocks: int, device: str,
+                seed: int | None) -> dict[str, torch.Tensor]:
+    """One tensor per layer in ``kind``'s layout: random bits (``seed``) or zeros (None)."""
+    s = runtime.shape
+    b, h, d = s.block_size, s.kv_heads, s.head_dim
+    dims = {"flash": (2, num_blocks, b, h, d), "flashinfer": (num_blocks, 2, b, h, d),
+            "cpu": (num_blocks, h, b, 2 * d)}[kind]
+    dtype = getattr(torch, s.dtype)
+    g = torch.Generator().manual_seed(seed or 0)
+    out = {}
+    for name in s.layer_names:
+        if seed is None:
+            out[name] = torch.zeros(dims, dtype=dtype, device=device)
+        else:
+            bits = torch.randint(-2**15, 2**15, dims, dtype=torch.int16, generator=g)
+            out[name] = bits.view(dtype).to(device)
+    return out
+
+
+def slots(blocks: tuple[int, ...], block: int, count: int) -> torch.Tensor:
+    return torch.cat([torch.arange(b * block, (b + 1) * block) for b in blocks])[:count]
+
+
+def round_trip(runtime: ConnectorRuntime, save_kind: str, load_kind: str, num_blocks: int,
+               device: str, tokens: list[int], old_blocks: tuple[int, ...],
+               new_blocks: tuple[int, ...], load_tokens: int,
+               use_kernels: bool) -> tuple[WorkerSide, dict[str, torch.Tensor],
+                                           dict[str, torch.Tensor]]:
+    """Save ``tokens`` from random ``save_kind`` tensors at ``old_blocks``, then load the first
+    ``load_tokens`` of them from kvtier's host tier into zeroed ``load_kind`` tensors at
+    ``new_blocks``; returns the worker, the source and the target tensors."""
+    on_cuda = device.startswith("cuda")
+    worker = WorkerSide(runtime, copy_in_forward=on_cuda, use_kernels=use_kernels)
+    source = vllm_caches(runtime, save_kind, num_blocks, device, seed=7)
+    worker.register_kv_caches(source, BACKENDS[save_kind])
+    saving = Step(saves=[SaveSpec("w", tuple(tokens), None, old_blocks)])
+    for name, kv in source.items():
+        worker.save_kv_layer(saving, name, kv)
+    worker.wait_for_save(saving)
+    assert runtime.drain(60.0)
+    assert runtime.counts["saved_tokens"] == len(tokens)
+    with runtime.lock:
+        runtime.cache.clear_tier("device")
+        runtime.staged["r"] = runtime.cache.load(runtime.cache.match(tokens))
+    target = vllm_caches(runtime, load_kind, num_blocks, device, seed=None)
+    worker.register_kv_caches(target, BACKENDS[load_kind])
+    worker.start_load_kv(Step(loads=[LoadSpec("r", 0, load_tokens, new_blocks)]))
+    for name in target:
+        worker.wait_for_layer_load(name)
+    worker.wait_for_save(Step())
+    if on_cuda:
+        torch.cuda.synchronize()
+    return worker, source, target
+
+
+def as_words(t: torch.Tensor) -> torch.Tensor:
+    """Bits of a 16-bit tensor, so NaN patterns compare equal when their bytes do."""
+    return t.view(torch.int16)
