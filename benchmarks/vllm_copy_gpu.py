@@ -11,7 +11,8 @@ to it) and prefix length, side by side in one run:
   ``TieredCache.load`` (one launch of kvtier's transfer kernel, host pages -> kvtier's device
   pool) and then the worker half's ``wait_for_layer_load`` for every layer (``vllm_blocks``:
   one launch per layer, pool pages -> vLLM blocks);
-- ``connector, 4/SM``: the same with the worker's copies on four programs per multiprocessor;
+- ``connector, 1/SM``: the same with the worker's copies on one program per multiprocessor
+  (the kernels' default; the worker runs ``vllm_blocks.DEVICE_PROGRAMS_PER_SM``);
 - ``connector, torch rows``: the same with the worker's copy done by torch indexing by slot
   (what the worker does where the kernels do not apply);
 - ``direct``: kvtier's kernel from the pinned host pages straight into vLLM's blocks, one launch
@@ -47,10 +48,10 @@ import torch
 from kvtier.machine import format_table, write_report
 
 GB = 1e9
-#: A wider grid for the worker's device-to-device block copies than the kernels' default (one
-#: program per multiprocessor, chosen for host copies, which the bus limits): a row of its own,
-#: so the worker's grid can be chosen from a measurement rather than assumed.
-WIDE_PROGRAMS_PER_SM = 4
+#: The kernels' default grid (one program per multiprocessor, chosen for host copies, which the
+#: bus limits), as a row of its own beside the worker's wider grid
+#: (``vllm_blocks.DEVICE_PROGRAMS_PER_SM``), which was chosen from this comparison.
+NARROW_PROGRAMS_PER_SM = 1
 #: The connector path's rate over the pinned ``copy_`` rate it should reach (issue #19).
 GOAL_RATIO = 0.90
 
@@ -140,8 +141,8 @@ def paths(setup: Setup, kind: str, kv: list[torch.Tensor]) -> dict[str, Callable
     stage = PreparedCopy(make_plan("load", host_geo, pool_geo, setup.host_ids, setup.pool_ids),
                          setup.pool, host)
     from_pool = BlockCopier.for_device_pool(layout, setup.pool)
-    wide = BlockCopier.for_device_pool(layout, setup.pool,
-                                       KernelConfig(programs_per_sm=WIDE_PROGRAMS_PER_SM))
+    narrow = BlockCopier.for_device_pool(layout, setup.pool,
+                                         KernelConfig(programs_per_sm=NARROW_PROGRAMS_PER_SM))
     from_host = BlockCopier(layout, host, host_geo, setup.pool.element_size())
     block = setup.block
     tokens = torch.arange(setup.pages * block)
@@ -176,7 +177,7 @@ def paths(setup: Setup, kind: str, kv: list[torch.Tensor]) -> dict[str, Callable
             from_host.copy(plan, layer, tensor, ids)
 
     return {"pinned copy_": pinned, "connector": through_pool(from_pool),
-            f"connector, {WIDE_PROGRAMS_PER_SM}/SM": through_pool(wide),
+            f"connector, {NARROW_PROGRAMS_PER_SM}/SM": through_pool(narrow),
             "connector, torch rows": torch_rows, "direct": direct}
 
 

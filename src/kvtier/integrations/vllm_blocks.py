@@ -32,6 +32,14 @@ from kvtier.transfer.plan import CopyPlan, PoolGeometry, device_geometry, make_p
 
 #: Layouts whose blocks are a canonical page layer (K part, then V part, each contiguous).
 KERNEL_KINDS = ("flash", "flashinfer")
+#: Programs per multiprocessor of the copies between kvtier's device pool and vLLM's blocks.
+#: They run on the forward's own stream, just before the layer that reads them, so nothing
+#: runs beside them and a wide grid costs the forward nothing; device-to-device copies need
+#: more programs in flight than bus copies do. On the H200 (benchmarks/results/vllm_copy_h200.*)
+#: 4 per SM was ahead of 1 per SM (the copy engine's default) in all 16 cells of layout x
+#: block size x prefix, e.g. 0.93 against 0.86 of the pinned rate at 4k tokens in 16-token
+#: flash blocks.
+DEVICE_PROGRAMS_PER_SM = 4
 
 
 def layer_geometry(layout: BlockLayout, element_size: int, num_layers: int) -> PoolGeometry:
@@ -74,8 +82,13 @@ class BlockCopier:
     @classmethod
     def for_device_pool(cls, layout: BlockLayout, pool_kv: torch.Tensor,
                         kernel_config: Any = None) -> BlockCopier:
-        """Over kvtier's device pool ``kv[layers, 2, pages, page_size, heads, dim]``."""
+        """Over kvtier's device pool ``kv[layers, 2, pages, page_size, heads, dim]``, on a grid
+        of ``DEVICE_PROGRAMS_PER_SM`` unless ``kernel_config`` says otherwise."""
         from kvtier.layout import KVLayout
+        from kvtier.transfer.kernels import KernelConfig
+
+        if kernel_config is None:
+            kernel_config = KernelConfig(programs_per_sm=DEVICE_PROGRAMS_PER_SM)
 
         layers, _, pages, page_size, heads, dim = pool_kv.shape
         dtype = str(pool_kv.dtype).removeprefix("torch.")
