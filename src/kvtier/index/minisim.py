@@ -58,18 +58,20 @@ class PageSampler:
         """The sampled page identities of a run stored as consecutive ``step``-byte pages
         (an empty tuple when none is sampled, the common case)."""
         marks = buffer[::step].translate(self._table)
-        at = marks.find(1)
-        if at < 0:
+        if 1 not in marks:
             return ()
         first, second = self._first, self._second
         if first >= 256:
             return [buffer[i:i + step] for i in range(0, len(buffer), step)]
-        out = []
+        out: list[bytes] = []
+        keep, find = out.append, marks.find
+        at = find(1)
         while at >= 0:
-            page = buffer[at * step:(at + 1) * step]
+            start = at * step
+            page = buffer[start:start + step]
             if page[0] < first or (step > 1 and page[1] < second):
-                out.append(page)
-            at = marks.find(1, at + 1)
+                keep(page)
+            at = find(1, at + 1)
         return out
 
 
