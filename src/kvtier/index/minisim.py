@@ -117,10 +117,10 @@ class ClassCache:
     entry and ``_deadline`` holds each page's current one; stale entries are skipped when
     popped and dropped when the heap outgrows twice the cache. A miss in a full cache swaps the
     victim's entry for the new page's in one heap operation (``heapreplace``: one sift instead
-    of a pop's and a push's), and each class's head start is a precomputed tuple read (the
-    same product ``weight * capacity * class``). Ties go to the lower class, then
-    to the older reference (the order of one ordered list per class). Time counts this cache's
-    own misses (new content), as the real policy counts pages born.
+    of a pop's and a push's), and each class's head start is read from a precomputed tuple
+    (the same product ``weight * capacity * class``). Ties go to the lower class, then to the
+    older reference (the order of one ordered list per class). Time counts this cache's own
+    misses (new content), as the real policy counts pages born.
     """
 
     __slots__ = ("weight", "capacity", "clock", "_order", "_spans", "_heap", "_deadline")
