@@ -101,6 +101,59 @@ def test_lru_miniature_shrinks_to_a_smaller_size_before_the_next_batch():
     assert lru.hits([bytes([5])]) == [True] and len(lru) == 3
 
 
+class _ClassModel:
+    """The ranking a ``ClassCache`` must keep, by brute force: on a miss with the cache full,
+    drop pages with the lowest ``(deadline, class, reference)`` until one slot is free."""
+
+    def __init__(self, weight: float) -> None:
+        self.weight, self.capacity, self.clock, self.refs = weight, 1, 0, 0
+        self.rank: dict[bytes, tuple[float, int, int]] = {}
+
+    def lead(self, keys: list[bytes], classes: list[int], lru_hits: list[bool]) -> list[int]:
+        wins = losses = 0
+        for key, klass, lru_hit in zip(keys, classes, lru_hits, strict=True):
+            if key in self.rank:
+                wins += not lru_hit
+            else:
+                losses += lru_hit
+                self.clock += 1
+                while len(self.rank) >= self.capacity:
+                    del self.rank[min(self.rank, key=self.rank.__getitem__)]
+            self.refs += 1
+            span = self.weight * self.capacity
+            self.rank[key] = (self.clock + span * klass, klass, self.refs)
+        return [wins, losses]
+
+
+def test_miniatures_match_brute_force_models_through_resizes():
+    """Both miniatures, against a model each, over random references while the size grows and
+    shrinks between batches (a shrink takes effect at the next miss, or at once for LRU)."""
+    rng = random.Random(11)
+    cache, model = ClassCache(2.0), _ClassModel(2.0)
+    lru, recency = LRUCache(), list[bytes]()
+    for batch in range(400):
+        if batch % 7 == 0:
+            size = rng.choice([1, 2, 3, 5, 9, 16])
+            cache.resize(size)
+            model.capacity = lru.capacity = size
+        n = rng.randint(1, 12)
+        keys = [bytes([rng.randrange(24)]) for _ in range(n)]
+        classes = [rng.randrange(4) for _ in range(n)]
+        del recency[:max(len(recency) - lru.capacity, 0)]
+        expected_hits = []
+        for key in keys:
+            expected_hits.append(key in recency)
+            if key in recency:
+                recency.remove(key)
+            recency.append(key)
+            del recency[:max(len(recency) - lru.capacity, 0)]
+        assert lru.hits(keys) == expected_hits
+        assert list(cache.lead(keys, classes, expected_hits)) == model.lead(keys, classes,
+                                                                          expected_hits)
+        assert set(cache._deadline) == set(model.rank)
+        assert list(lru._pages) == recency
+
+
 def _stream(seed: int, n: int) -> list[tuple[bytes, int]]:
     """New pages, 30 % of which come back at once and then three more times, each after a gap
     longer than a 64-page LRU keeps them: a head start wins here."""

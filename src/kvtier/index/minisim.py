@@ -58,18 +58,20 @@ class PageSampler:
         """The sampled page identities of a run stored as consecutive ``step``-byte pages
         (an empty tuple when none is sampled, the common case)."""
         marks = buffer[::step].translate(self._table)
-        at = marks.find(1)
-        if at < 0:
+        if 1 not in marks:
             return ()
         first, second = self._first, self._second
         if first >= 256:
             return [buffer[i:i + step] for i in range(0, len(buffer), step)]
-        out = []
+        out: list[bytes] = []
+        keep, find = out.append, marks.find
+        at = find(1)
         while at >= 0:
-            page = buffer[at * step:(at + 1) * step]
+            start = at * step
+            page = buffer[start:start + step]
             if page[0] < first or (step > 1 and page[1] < second):
-                out.append(page)
-            at = marks.find(1, at + 1)
+                keep(page)
+            at = find(1, at + 1)
         return out
 
 
@@ -87,6 +89,7 @@ class LRUCache:
         pages, capacity = self._pages, self.capacity
         while len(pages) > capacity:
             pages.popitem(last=False)
+        size = len(pages)
         out: list[bool] = []
         hit, move, evict = out.append, pages.move_to_end, pages.popitem
         for key in keys:
@@ -95,8 +98,10 @@ class LRUCache:
                 hit(True)
             else:
                 pages[key] = None
-                if len(pages) > capacity:
-                    evict(last=False)
+                if size < capacity:
+                    size += 1
+                else:
+                    evict(False)
                 hit(False)
         return out
 
@@ -110,12 +115,15 @@ class ClassCache:
     The deadline is fixed when the page is referenced (as the real tier keys a leaf when it is
     used), so the pages sit in one heap with lazy deletion: a reference pushes the page's new
     entry and ``_deadline`` holds each page's current one; stale entries are skipped when
-    popped and dropped when the heap outgrows twice the cache. Ties go to the lower class, then
-    to the older reference (the order of one ordered list per class). Time counts this cache's
-    own misses (new content), as the real policy counts pages born.
+    popped and dropped when the heap outgrows twice the cache. A miss in a full cache swaps the
+    victim's entry for the new page's in one heap operation (``heapreplace``: one sift instead
+    of a pop's and a push's), and each class's head start is read from a precomputed tuple
+    (the same product ``weight * capacity * class``). Ties go to the lower class, then to the
+    older reference (the order of one ordered list per class). Time counts this cache's own
+    misses (new content), as the real policy counts pages born.
     """
 
-    __slots__ = ("weight", "capacity", "clock", "_order", "_span", "_heap", "_deadline")
+    __slots__ = ("weight", "capacity", "clock", "_order", "_spans", "_heap", "_deadline")
 
     def __init__(self, weight: float) -> None:
         if weight <= 0:
@@ -124,35 +132,50 @@ class ClassCache:
         self.capacity = 1
         self.clock = 0
         self._order = 0                  # references so far (ties: the older reference first)
-        self._span = weight
+        self._spans = tuple(weight * k for k in range(CLASSES))  # each class's head start
         self._heap: list[tuple[float, int, int, bytes]] = []
         self._deadline: dict[bytes, tuple[float, int, int, bytes]] = {}  # page -> its entry
 
     def resize(self, capacity: int) -> None:
         self.capacity = capacity
-        self._span = self.weight * capacity
+        span = self.weight * capacity
+        self._spans = tuple(span * k for k in range(CLASSES))
 
     def lead(self, keys: Sequence[bytes], classes: Sequence[int],
              lru_hits: Sequence[bool]) -> tuple[int, int]:
         """Reference every page of ``keys`` (of ``classes``) in order; the references this
         cache hit and LRU missed (wins) and the reverse (losses)."""
-        deadline, span, capacity = self._deadline, self._span, self.capacity
-        heap, push, pop = self._heap, heapq.heappush, heapq.heappop
-        clock, order = self.clock, self._order
+        deadline, spans, capacity = self._deadline, self._spans, self.capacity
+        heap, push, pop, replace = self._heap, heapq.heappush, heapq.heappop, heapq.heapreplace
+        clock, order, size = self.clock, self._order, len(deadline)
         wins = losses = 0
         for key, klass, lru_hit in zip(keys, classes, lru_hits, strict=True):
-            if key in deadline:
-                wins += not lru_hit
-            else:
-                losses += lru_hit
-                clock += 1
-                while len(deadline) >= capacity:
-                    entry = pop(heap)
-                    if deadline.get(entry[3]) is entry:
-                        del deadline[entry[3]]
             order += 1
-            deadline[key] = entry = (clock + span * klass, klass, order, key)
-            push(heap, entry)
+            if key in deadline:
+                if not lru_hit:
+                    wins += 1
+                deadline[key] = entry = (clock + spans[klass], klass, order, key)
+                push(heap, entry)
+                continue
+            if lru_hit:
+                losses += 1
+            clock += 1
+            deadline[key] = entry = (clock + spans[klass], klass, order, key)
+            if size < capacity:
+                size += 1
+                push(heap, entry)
+                continue
+            while size > capacity:        # the first miss after a shrink drops the surplus
+                victim = pop(heap)
+                if deadline.get(victim[3]) is victim:
+                    del deadline[victim[3]]
+                    size -= 1
+            victim = heap[0]
+            while deadline.get(victim[3]) is not victim:   # stale entries on top
+                pop(heap)
+                victim = heap[0]
+            del deadline[victim[3]]       # the victim leaves, the new entry takes its place
+            replace(heap, entry)
         self.clock, self._order = clock, order
         if len(heap) > 2 * len(deadline) + 64:
             self._heap = list(deadline.values())
@@ -208,9 +231,10 @@ class Duel:
 
     def refs_of(self, keys: Sequence[bytes], klass: int) -> None:
         """References to the sampled pages ``keys`` of one run, of the run's class."""
-        self._keys.extend(keys)
+        queued = self._keys
+        queued.extend(keys)
         self._classes.extend((klass,) * len(keys))
-        if len(self._keys) >= self.batch:
+        if len(queued) >= self.batch:
             self.flush()
 
     def flush(self) -> None:

@@ -70,8 +70,8 @@ class ShadowPolicy(EvictionPolicy):
         """A run that just became a leaf for the first time: its ghost's class, its sample."""
         self.clock = clock = self.clock + pages
         self.held += pages
-        self._tick += 1
-        now = clock + self._tick * TICK
+        self._tick = tick = self._tick + 1
+        now = clock + tick * TICK
         run = Run(0, now, now, getattr(node, "hits", 1) or 1, pages)
         buffer, step = page_layout(node)
         if not step:
@@ -80,8 +80,9 @@ class ShadowPolicy(EvictionPolicy):
         ghost = self._ghosts.pop(first, None)
         if ghost is not None and clock - ghost[1] <= self.history * self.held:
             run.klass = min(ghost[0] + 1, CLASSES - 1)
-        if self.sampler.rate >= 0.0:
-            run.sample = sample = self.sampler.pick(buffer, step)
+        sampler = self.sampler
+        if sampler.rate >= 0.0:
+            run.sample = sample = sampler.pick(buffer, step)
             if sample:
                 self.duel.refs_of(sample, run.klass)
         return run
@@ -154,7 +155,7 @@ class ShadowPolicy(EvictionPolicy):
 
     def remove(self, node: Node) -> None:
         run = self._runs.get(node)
-        if run is not None:
+        if run is not None and run.entry is not None:
             self._leaves.discard(run)
 
     def pop_victim(self) -> Node | None:
@@ -174,14 +175,14 @@ class ShadowPolicy(EvictionPolicy):
         # The tier is full, so what it holds now is its size: the first eviction fixes the
         # sample rate, the latest one sizes the miniatures; the tier takes the duel's weight.
         held = self.held
-        sampler = self.sampler
+        sampler, duel = self.sampler, self.duel
         if sampler.rate < 0.0:
             sampler.start(self.sample_pages / max(held, 1.0))
-        self.duel.target = sampler.rate * held
-        if self.duel.choice != self.weight:
-            self.set_weight(self.duel.choice)
-        self._trim_in -= 1
-        if self._trim_in <= 0:
+        duel.target = sampler.rate * held
+        if duel.choice != self.weight:
+            self.set_weight(duel.choice)
+        self._trim_in = trim_in = self._trim_in - 1
+        if trim_in <= 0:
             self._trim_ghosts()
         self.held = max(held - (getattr(node, "pages", 0) or run.pages), 0.0)
         return node
@@ -219,7 +220,7 @@ class ShadowPolicy(EvictionPolicy):
 
     def forget(self, node: Node) -> None:
         run = self._runs.pop(node, None)
-        if run is not None:
+        if run is not None and run.entry is not None:
             self._leaves.discard(run)
 
     def __len__(self) -> int:

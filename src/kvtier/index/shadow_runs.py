@@ -15,6 +15,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable, Hashable, Sequence
+from heapq import heappop, heappush
 from typing import Any
 
 
@@ -53,7 +54,7 @@ class RunHeap:
             self.leaves += 1
         run.entry = entry = [key, next(self._seq), node, run]
         heap = self._heap
-        heapq.heappush(heap, entry)
+        heappush(heap, entry)
         if len(heap) > 2 * self.leaves + 64:
             self._heap = [e for e in heap if e[3].entry is e]
             heapq.heapify(self._heap)
@@ -68,7 +69,7 @@ class RunHeap:
         """Remove and return the leaf with the lowest key and its run, or None."""
         heap = self._heap
         while heap:
-            entry = heapq.heappop(heap)
+            entry = heappop(heap)
             run = entry[3]
             if run.entry is entry:
                 run.entry = None
