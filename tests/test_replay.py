@@ -221,3 +221,18 @@ def test_a_recorded_call_stream_replays_identically_on_a_fresh_policy():
     assert victims == _rerun(recorder.log, make_eviction_policy("lrfu"))
     timing = time_calls(recorder.log, lambda: make_eviction_policy("lrfu"), repeats=2)
     assert timing["calls"] == len(recorder.log) and timing["us_per_call"] > 0
+
+
+def test_spread_ids_are_distinct_pages_and_change_only_what_the_default_policy_samples():
+    trace = synthetic.chat(synthetic.Shape(requests=400, duration_s=600, seed=5))
+    ids = sorted({b for r in trace for b in r.blocks})
+    spread = TraceRequest(0, len(ids) * B, 1, tuple(ids)).block_bytes(spread=True)
+    pages = [spread[i:i + 4] for i in range(0, len(spread), 4)]
+    assert len(set(pages)) == len(ids)                     # a bijection: no two ids collide
+    assert [p[0] for p in pages[:64]] != sorted(p[0] for p in pages[:64])  # leading bytes mixed
+    tokens = max(trace.unique_blocks() // 20, 2) * trace.block_tokens
+    for policy in ("lru", "lrfu"):   # policies that do not sample serve exactly the same
+        raw, mixed = (replay(trace, ReplayConfig(tokens, policy=policy, block_tokens=trace.block_tokens,
+                                                 spread_ids=s)) for s in (False, True))
+        assert mixed.served_tokens == raw.served_tokens
+        assert mixed.evicted_pages == raw.evicted_pages

@@ -65,6 +65,8 @@ class ReplayConfig:
     write_policy: str = "write_through"
     block_tokens: int = 512
     hint_share: float = 0.25
+    #: Page identities spread like live page keys (``TraceRequest.block_bytes(spread=True)``).
+    spread_ids: bool = False
 
     def __post_init__(self) -> None:
         if self.device_tokens < self.block_tokens:
@@ -150,7 +152,7 @@ class _Replayer:
         return match.depth_of(tier) if tier in self.tiers else 0
 
     def serve(self, request: TraceRequest) -> None:
-        data = request.block_bytes()
+        data = request.block_bytes(self.config.spread_ids)
         match = self.index.match(data)
         d, h, k = (self._depth(match, t) for t in REPLAY_TIERS)
         reach = max(d, h, k)

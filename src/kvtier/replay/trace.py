@@ -13,6 +13,7 @@ Python; the main thread of ``kvtier bench replay`` runs it.
 from __future__ import annotations
 
 import json
+import sys
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -31,6 +32,9 @@ from kvtier.hints import (
 
 #: Tokens per block of the published Mooncake traces.
 DEFAULT_BLOCK_TOKENS = 512
+#: Odd, so that ``id * SPREAD_MULTIPLIER mod 2**32`` is a bijection (distinct ids stay
+#: distinct); ``2**32 / golden ratio``, whose high bits scatter consecutive ids.
+SPREAD_MULTIPLIER = 0x9E3779B1
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,9 +48,19 @@ class TraceRequest:
     hint: CacheHint | None = None
     tenant: str = ""
 
-    def block_bytes(self) -> bytes:
-        """The block ids as uint32 little-endian bytes: one index page per block."""
-        return array("I", self.blocks).tobytes()
+    def block_bytes(self, spread: bool = False) -> bytes:
+        """The block ids as uint32 little-endian bytes: one index page per block. ``spread``
+        maps each id through a bijective multiplicative hash (Knuth's 2^32 / golden ratio) and
+        stores it high byte first, so a page's leading bytes look like a live page key's (a
+        content hash) and a sample taken by them is spread over the whole trace; the raw ids,
+        numbered in order of first appearance, put their leading bytes' sample in windows of
+        time."""
+        if not spread:
+            return array("I", self.blocks).tobytes()
+        mixed = array("I", [(block * SPREAD_MULTIPLIER) & 0xFFFFFFFF for block in self.blocks])
+        if sys.byteorder == "little":
+            mixed.byteswap()
+        return mixed.tobytes()
 
     def served_tokens(self, blocks_hit: int, block_tokens: int) -> int:
         """Input tokens served by a cached prefix of ``blocks_hit`` blocks (the last block of
