@@ -2,12 +2,14 @@
 
 ``python scenario.py SPEC.json OUT.json``: builds ``vllm.LLM`` on the CPU backend in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, capped KV memory, eager), optionally with kvtier's
-connector, generates greedily for the spec's prompts (token ids, optional ``cache_salt``), and
-writes per request the output tokens, vLLM's ``num_cached_tokens``, the prompt tokens the model
-really ran through its embedding (a forward hook), its wall time and the process's CPU time
-over it, and the connector's counters. Actions between steps: kill a process (Redis), or wait
-for the connector's queued saves and IO (``drain_connector``: seconds). Run as a script only:
-vLLM changes torch's thread count in the process that hosts it.
+connector (``"connector": {...}``, its options) or one that does nothing (``"connector":
+"noop"``, ``noop_connector``), generates greedily for the spec's prompts (token ids, optional
+``cache_salt``), and writes per request the output tokens, vLLM's ``num_cached_tokens``, the
+prompt tokens the model really ran through its embedding (a forward hook), its wall time and
+the process's CPU time over it (and that of kvtier's own threads), and the connector's
+counters. Actions between steps: kill a
+process (Redis), or wait for the connector's queued saves and IO (``drain_connector``:
+seconds). Run as a script only: vLLM changes torch's thread count in the process that hosts it.
 """
 
 from __future__ import annotations
@@ -29,7 +31,10 @@ def _llm(spec: dict[str, Any]) -> Any:
     from vllm.config import KVTransferConfig
 
     transfer = None
-    if spec.get("connector") is not None:
+    if spec.get("connector") == "noop":
+        transfer = KVTransferConfig(kv_connector="NoopConnector",
+                                    kv_connector_module_path="noop_connector", kv_role="kv_both")
+    elif spec.get("connector") is not None:
         transfer = KVTransferConfig(kv_connector="KvtierConnector",
                                     kv_connector_module_path="kvtier.integrations.vllm",
                                     kv_role="kv_both",
@@ -67,6 +72,25 @@ def _connector_stats() -> dict[str, Any]:
     return found[0].stats()["connector"] if found else {}
 
 
+def _kvtier_thread_cpu() -> float:
+    """CPU seconds so far of this process's live threads named ``kvtier-*`` (the saver, the IO
+    workers): what kvtier's background work cost, whatever else ran meanwhile."""
+    import threading
+
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for thread in threading.enumerate():
+        if not thread.name.startswith("kvtier-") or thread.native_id is None:
+            continue
+        try:
+            stat = Path(f"/proc/self/task/{thread.native_id}/stat").read_text()
+        except OSError:             # it ended meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        total += (int(fields[11]) + int(fields[12])) / ticks     # utime + stime
+    return total
+
+
 def _run_step(llm: Any, counter: _Counter, step: dict[str, Any]) -> list[dict[str, Any]]:
     from vllm import SamplingParams
 
@@ -78,7 +102,7 @@ def _run_step(llm: Any, counter: _Counter, step: dict[str, Any]) -> list[dict[st
         request: dict[str, Any] = {"prompt_token_ids": prompt["tokens"]}
         if prompt.get("salt"):
             request["cache_salt"] = prompt["salt"]
-        before = counter.tokens
+        before, kvtier_cpu = counter.tokens, _kvtier_thread_cpu()
         started, cpu = time.perf_counter(), _cpu_seconds()
         out = llm.generate([request], params, use_tqdm=False)[0]
         results.append({"tokens": list(out.outputs[0].token_ids),
@@ -86,7 +110,8 @@ def _run_step(llm: Any, counter: _Counter, step: dict[str, Any]) -> list[dict[st
                         "computed_tokens": counter.tokens - before,
                         "kvtier_off": bool(prompt.get("kvtier_off")),
                         "seconds": time.perf_counter() - started,
-                        "cpu_seconds": _cpu_seconds() - cpu})
+                        "cpu_seconds": _cpu_seconds() - cpu,
+                        "kvtier_thread_cpu_seconds": _kvtier_thread_cpu() - kvtier_cpu})
     return results
 
 
@@ -116,7 +141,7 @@ def _cpu_seconds() -> float:
 def _act(action: dict[str, Any]) -> dict[str, Any]:
     """Side effects between steps: stop the Redis server the remote tier uses, or wait for the
     connector's background work; returns what it measured."""
-    started, cpu = time.perf_counter(), _cpu_seconds()
+    started, cpu, kvtier_cpu = time.perf_counter(), _cpu_seconds(), _kvtier_thread_cpu()
     done = True
     if action.get("kill_pid"):
         os.kill(int(action["kill_pid"]), 9)
@@ -126,7 +151,8 @@ def _act(action: dict[str, Any]) -> dict[str, Any]:
 
         done = all(r.drain(float(action["drain_connector"])) for r in runtimes())
     return {"done": done, "seconds": time.perf_counter() - started,
-            "cpu_seconds": _cpu_seconds() - cpu}
+            "cpu_seconds": _cpu_seconds() - cpu,
+            "kvtier_thread_cpu_seconds": _kvtier_thread_cpu() - kvtier_cpu}
 
 
 if __name__ == "__main__":

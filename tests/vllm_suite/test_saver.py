@@ -234,3 +234,21 @@ def test_a_finished_requests_generated_pages_are_stored_with_its_prompt(schedule
     assert runtime.cache.match(tokens[:64]).tokens == 64      # prompt and output pages
     assert runtime.counts["saved_tokens"] == 32 + 32        # the prompt page was held: reused
     assert worker.get_finished({request.request_id}) == {request.request_id}
+
+
+def test_the_saver_runs_torch_ops_on_its_own_thread_and_leaves_other_threads_counts():
+    from kvtier.integrations.vllm_saver import Saver
+
+    before = torch.get_num_threads()
+    saver = Saver(depth=2, priority="normal")
+    try:
+        on_saver = saver.call(torch.get_num_threads)
+        started_later: list[int] = []
+        later = threading.Thread(target=lambda: started_later.append(torch.get_num_threads()))
+        later.start()
+        later.join()
+    finally:
+        saver.close(1.0)
+    assert on_saver == 1
+    assert torch.get_num_threads() == before
+    assert started_later == [before]

@@ -157,14 +157,55 @@ def test_a_lost_staged_load_is_reported_and_vllm_recomputes_it(tiny_model, tmp_p
         runtime.close()
 
 
-def test_sliding_window_models_are_refused_at_start(tiny_model, tmp_path):
+def _windowed_scheduler(model: Path, tmp: Path, spec):
+    config = make_vllm_config(model, {"host_pool_bytes": "8MiB", "staging_pages": 64,
+                                      "disk_url": f"file://{tmp / 'disk'}"}, block_size=BLOCK,
+                              max_batched=256)
+    return make_scheduler(config, make_kv_cache_config(BLOCK, spec=spec))
+
+
+def test_a_group_keeping_only_the_windows_blocks_is_neither_served_nor_stored(tiny_model,
+                                                                              tmp_path):
     from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
     spec = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=32,
                              dtype=torch.float32, sliding_window=64)
-    config = make_vllm_config(tiny_model, {}, block_size=BLOCK)
-    with pytest.raises(ConfigError, match="sliding-window"):
-        make_scheduler(config, make_kv_cache_config(BLOCK, spec=spec))
+    sched = _windowed_scheduler(tiny_model, tmp_path, spec)
+    runtime = sched.connector.runtime
+    try:
+        assert "SlidingWindowSpec(window=64)" in runtime.shape.refused
+        tokens = _prompt(100)
+        fill_kvtier(runtime, tokens)                   # held by kvtier, yet never claimed
+        request, out = _admit(sched, tokens)
+        assert out.scheduled_new_reqs[0].num_computed_tokens == 0
+        assert out.kv_connector_metadata.loads == []
+        assert out.kv_connector_metadata.saves == []   # the whole prompt ran this step
+        assert runtime.counts["requests_refused_model_kv"] == 1
+        sched.update_from_output(out, runner_output(out))
+        assert sched.connector.request_finished(request, [1, 2, 3, 4]) == (False, None)
+        assert runtime.saver.counts["saves_queued"] == 0
+    finally:
+        runtime.close()
+
+
+def test_sliding_window_layers_in_full_attention_blocks_are_served(tiny_model, tmp_path):
+    """What vLLM gives a connector without ``SupportsHMA`` for a hybrid model: every layer
+    keeps every token's KV, so a hit restores it exactly."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32,
+                             dtype=torch.float32, sliding_window=64)
+    sched = _windowed_scheduler(tiny_model, tmp_path, spec)
+    runtime = sched.connector.runtime
+    try:
+        assert runtime.shape.refused == ""
+        tokens = _prompt(100)
+        fill_kvtier(runtime, tokens)
+        _, out = _admit(sched, tokens)
+        assert out.scheduled_new_reqs[0].num_computed_tokens == 96
+        assert runtime.counts["requests_refused_model_kv"] == 0
+    finally:
+        runtime.close()
 
 
 def test_an_unknown_connector_setting_is_refused_at_start(tiny_model):

@@ -1,7 +1,8 @@
 """The one ``TieredCache`` an engine's two connector halves share, and what it is built from.
 
 Owns ``ModelShape`` (what vLLM's KV cache config says about the model, checked: one group of
-full-attention layers, or a clear refusal), ``ConnectorRuntime`` (the cache, its lock, the hits
+full-attention layers is served; other attention KV is refused hits and stores with a logged
+reason, ``ModelShape.refused``), ``ConnectorRuntime`` (the cache, its lock, the hits
 staged for requests waiting to be scheduled, counters) and ``runtime_for()``, a per-process
 registry keyed by vLLM's engine id. vLLM builds the scheduler half and the worker half of a
 connector separately; with one worker (``distributed_executor_backend="uni"``, vLLM's choice
@@ -49,14 +50,26 @@ class ModelShape:
     head_dim: int
     dtype: str
     block_size: int
+    #: Why kvtier neither serves nor stores this model's KV ("": it does); see ``model_shape``.
+    refused: str = ""
 
     def layout(self, page_size: int) -> KVLayout:
         return KVLayout(len(self.layer_names), self.kv_heads, self.head_dim, self.dtype, page_size)
 
 
 def model_shape(vllm_config: Any, kv_cache_config: Any) -> ModelShape:
-    """Read and check the model's KV geometry; refuse what kvtier cannot restore exactly."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+    """Read and check the model's KV geometry.
+
+    kvtier restores a hit exactly when every layer keeps every token's KV in its blocks: one
+    group of full-attention layers. That includes a hybrid model's sliding-window layers once
+    vLLM runs them with full-attention blocks (``FullAttentionSpec`` with ``sliding_window``
+    set: what vLLM does for a connector without ``SupportsHMA``, kvtier's case, and on the CPU
+    always), since attention only reads the window out of them. Other attention KV (a group
+    that keeps only the window's blocks, chunked local attention, MLA, several groups) is
+    served as without kvtier: ``refused`` says why, and the connector then claims no hit and
+    stores nothing (a hit it cannot restore exactly would give wrong tokens). KV that is not
+    attention KV at all, and several ranks, are refused at start."""
+    from vllm.v1.kv_cache_interface import AttentionSpec
 
     parallel = vllm_config.parallel_config
     if parallel.world_size != 1:
@@ -64,20 +77,35 @@ def model_shape(vllm_config: Any, kv_cache_config: Any) -> ModelShape:
                           "1 (kvtier's vLLM connector serves a single-rank engine)")
     groups = [g for g in kv_cache_config.kv_cache_groups if g.enable_kv_transfer]
     specs = [g.kv_cache_spec for g in groups]
-    if len(groups) != 1 or type(specs[0]) is not FullAttentionSpec or isinstance(
-            specs[0], MLAAttentionSpec) or specs[0].sliding_window or specs[0].attention_chunk_size:
-        kinds = [type(s).__name__ + (f"(window={s.sliding_window})"
-                                     if getattr(s, "sliding_window", None) else "") for s in specs]
-        raise ConfigError("model KV cache groups", kinds, "one group of full-attention layers "
-                          "(hybrid, sliding-window, chunked-local and MLA models are refused: "
-                          "a hit kvtier cannot restore exactly would give wrong tokens)")
+    if not specs or not all(isinstance(s, AttentionSpec) for s in specs):
+        raise ConfigError("model KV cache groups", _kinds(specs), "attention KV cache groups "
+                          "(kvtier stores attention KV only)")
     spec = specs[0]
     if spec.head_size_v != spec.head_size:
         raise ConfigError("head_size_v", spec.head_size_v, f"equal to head_size {spec.head_size}")
     return ModelShape(model=str(vllm_config.model_config.model),
                       layer_names=tuple(groups[0].layer_names), kv_heads=spec.num_kv_heads,
                       head_dim=spec.head_size, dtype=str(spec.dtype).removeprefix("torch."),
-                      block_size=spec.block_size)
+                      block_size=spec.block_size, refused=_why_not_restorable(specs))
+
+
+def _why_not_restorable(specs: list[Any]) -> str:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    if len(specs) != 1:
+        return f"{len(specs)} KV cache groups {_kinds(specs)} (kvtier stores one)"
+    spec = specs[0]
+    if type(spec) is not FullAttentionSpec or isinstance(spec, MLAAttentionSpec):
+        return (f"KV cache group {_kinds(specs)}: its layers do not keep every token's KV "
+                "in full-attention blocks")
+    if spec.attention_chunk_size:
+        return f"chunked local attention (chunk {spec.attention_chunk_size}), not verified"
+    return ""
+
+
+def _kinds(specs: list[Any]) -> list[str]:
+    return [type(s).__name__ + (f"(window={s.sliding_window})"
+                                if getattr(s, "sliding_window", None) else "") for s in specs]
 
 
 def model_fingerprint(vllm_config: Any, given: str) -> str:
@@ -190,6 +218,10 @@ def _build(vllm_config: Any, kv_cache_config: Any,
         raise
     runtime = ConnectorRuntime(options, shape, cache, namespace, saver)
     atexit.register(runtime.close)
+    if shape.refused:
+        log.warning("kvtier connector: this model's KV is not served from or stored into "
+                    "kvtier (%s); vLLM computes every prompt as without kvtier (counted "
+                    "requests_refused_model_kv)", shape.refused)
     log.info("kvtier connector: %d layers x %d heads x %d, %s, page %d tokens (vLLM block %d), "
              "stores %s", len(shape.layer_names), shape.kv_heads, shape.head_dim, shape.dtype,
              page_size, shape.block_size, [t for t, u in (("disk", options.store.disk_url),

@@ -7,7 +7,8 @@ layer and commits it through the bound ``SaveCopier`` (``vllm_saves``). The queu
 lowers itself to ``SCHED_IDLE`` (``background_priority: idle``) before anything else, and
 ``call`` runs the cache's construction on it, so kvtier's IO threads inherit that class too:
 on a CPU backend, where vLLM's forward takes every core, kvtier then only uses cycles vLLM
-leaves idle.
+leaves idle. Its torch ops run on it alone (``one_torch_thread``), never over an OpenMP team
+whose members would spin waiting for each other.
 
 While a save still reads vLLM's blocks, vLLM must not reuse them:
 
@@ -54,6 +55,28 @@ def check_priority(priority: str) -> None:
 def _lower_this_thread(priority: str) -> None:
     if priority == "idle":
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))   # 0: the calling thread
+
+
+def one_torch_thread() -> None:
+    """Run the calling thread's torch CPU ops on that thread alone, leaving every other
+    thread's count as it was.
+
+    torch runs a CPU op over an OpenMP team; a team member that finds its partners descheduled
+    spins at the op's barrier. On a CPU backend vLLM's forward holds every core, so a save's
+    copies run with their partners preempted: measured on 2 cores, the saver's gathers spent 10x
+    their single-threaded CPU time spinning (``benchmarks/vllm_write_path.py``). OpenMP keeps the
+    team size per thread, so ``set_num_threads(1)`` here leaves vLLM's threads alone, but torch
+    also records the count as the one threads started later take up: a short-lived thread puts
+    the process's count back.
+    """
+    import torch
+
+    count = torch.get_num_threads()     # this thread's count, taken from the process's
+    torch.set_num_threads(1)
+    restore = threading.Thread(target=torch.set_num_threads, args=(count,),
+                               name="kvtier-torch-threads")
+    restore.start()
+    restore.join()
 
 
 @dataclass(eq=False)
@@ -165,6 +188,7 @@ class Saver:
             _lower_this_thread(self.priority)
         except OSError as exc:          # should not happen on Linux; keep saving regardless
             log.warning("kvtier: cannot lower the saver thread's priority: %s", exc)
+        one_torch_thread()
         while True:
             with self._cond:
                 while not self._calls and not self._jobs and not self._closing:

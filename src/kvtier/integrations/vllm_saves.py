@@ -8,9 +8,9 @@ Owns ``PromptSave`` (one prompt being stored) and ``SaveCopier`` (the tensor wor
 - ``copy_layer(save, layer)`` gathers that layer's rows by slot from vLLM's KV tensor into the
   staging pages, in kvtier's canonical row order (``vllm_layout``): per layer and prompt one
   launch of kvtier's transfer kernel over whole blocks where ``vllm_blocks`` applies (CUDA,
-  flash-attention or FlashInfer layout, page size = block size), else one gather and one
-  scatter (of whole blocks when the page size is the block size, else of token rows), no loop
-  over blocks;
+  flash-attention or FlashInfer layout, page size = block size); else, on the CPU with whole
+  blocks, one copy per block straight into its page; else one gather and one scatter (of whole
+  blocks when the page size is the block size, else of token rows);
 - ``commit(save)`` hands the pages to ``TieredCache.commit`` (write policy: host copy, store
   backups on kvtier's IO threads) and records the KV event; ``abandon(save)`` frees them.
 
@@ -119,6 +119,8 @@ class SaveCopier:
                                                     save.pages.numpy())
                 save.kernel_ids = self.blocks.ids(save.kernel_plan, pool.device)
             self.blocks.copy(save.kernel_plan, layer, kv, save.kernel_ids)
+        elif save.blocks is not None and kv.device.type == "cpu" == pool.device.type:
+            self._copy_blocks_on_cpu(save, layer, kv, pool)
         elif save.blocks is not None:
             keys, values = self.layout.read_blocks(kv, save.blocks.to(kv.device))
             pages = save.pages.to(pool.device)
@@ -130,6 +132,16 @@ class SaveCopier:
             pool[layer, 1].flatten(0, 1)[save.rows] = values
         save.layers_copied = layer + 1
         save.copy_cpu_us += int((time.thread_time() - started) * 1e6)
+
+    def _copy_blocks_on_cpu(self, save: PromptSave, layer: int, kv: torch.Tensor,
+                            pool: torch.Tensor) -> None:
+        """Each block straight into its page: no gathered temporary (a fresh 6 MB allocation per
+        layer, whose page faults cost as much as the copy) and no second pass over it."""
+        assert save.pages is not None and save.blocks is not None
+        keys, values = self.layout._views(kv)       # [blocks, block_size, heads, head_dim]
+        for block, page in zip(save.blocks.tolist(), save.pages.tolist(), strict=True):
+            pool[layer, 0, page].copy_(keys[block])
+            pool[layer, 1, page].copy_(values[block])
 
     def commit(self, save: PromptSave) -> None:
         """Index and write the copied pages (the write policy takes over from here)."""

@@ -12,6 +12,10 @@ page that is missing, corrupt or behind a dead store shortens the claim instead 
 request later (vLLM 0.32's default ``kv_load_failure_policy`` ends a request on a reported load
 error). The worker half then only copies staged rows into vLLM's blocks, layer by layer.
 
+For a model whose KV kvtier cannot restore exactly (``ModelShape.refused``: a group that keeps
+only the sliding window's blocks, several groups, MLA) no request is served or stored, each
+counted ``requests_refused_model_kv``.
+
 A request's prompt is stored once, in the step its prefill completes (every full kvtier page
 of it), unless kvtier already held all of it, and again when the request finishes if its
 output filled more pages (prompt and output together); the copy runs after
@@ -75,7 +79,7 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         rt = self.runtime
         tracked = self._tracked.setdefault(request.request_id, _Tracked(request))
-        if tracked.off or self._opted_out(request):
+        if tracked.off or self._refused(request) or self._opted_out(request):
             tracked.off = True
             return 0, False
         prompt = list(request.prompt_token_ids or ())
@@ -113,6 +117,13 @@ class SchedulerSide:
         tracked.held = loaded.tokens
         rt.staged[tracked.request.request_id] = loaded
         return loaded
+
+    def _refused(self, request: Any) -> bool:
+        """The model's KV is one kvtier cannot restore exactly (``ModelShape.refused``)."""
+        if not self.runtime.shape.refused:
+            return False
+        self.runtime.counts["requests_refused_model_kv"] += 1
+        return True
 
     def _opted_out(self, request: Any) -> bool:
         """``kv_transfer_params={"kvtier_cache": False}``: neither look up nor store it."""
@@ -187,7 +198,8 @@ class SchedulerSide:
                     scheduled: int) -> None:
         request = tracked.request
         prompt = request.prompt_token_ids or ()
-        if tracked.off or tracked.stored or computed + scheduled < len(prompt):
+        if (tracked.off or tracked.stored or computed + scheduled < len(prompt)
+                or self.runtime.shape.refused):
             return
         tracked.stored = True
         full = len(prompt) // self.runtime.page_size * self.runtime.page_size
@@ -204,7 +216,8 @@ class SchedulerSide:
         the worker's ``get_finished`` says when they are free."""
         tracked = self._tracked.pop(request.request_id, None)
         self.runtime.release_staged(request.request_id)
-        if tracked is not None and tracked.stored and not tracked.off:
+        if tracked is not None and tracked.stored and not tracked.off and not \
+                self.runtime.shape.refused:
             self._save_generated(request, list(block_ids or ()))
         return self.runtime.saver.hold_blocks(request.request_id), None
 

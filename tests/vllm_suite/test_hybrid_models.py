@@ -1,0 +1,67 @@
+"""Models whose layers are not all full attention, in real vLLM CPU engines (fresh processes).
+
+Two tiny random Llamas with a 64-token sliding window (prompts of 300 tokens, so the window
+matters): a hybrid one (sliding and full layers alternating), which vLLM runs with
+full-attention blocks for every layer when the connector lacks ``SupportsHMA`` (kvtier serves
+it: a hit restores every token's KV), and one whose layers all slide, which vLLM runs with
+blocks for the window only (kvtier neither serves nor stores it). Either way the greedy output
+must be vLLM's own without kvtier.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm_helpers import build_model, prompts, run_scenario
+
+WINDOW = 64
+PROMPTS = [{"tokens": p} for p in prompts(2, 300, seed=11)]
+STORED = 256                 # full 128-token pages of each prompt
+MAX_TOKENS = 6               # each output token but the last runs one more forward
+DRAIN = {"action": {"drain_connector": 120}}
+
+#: Five engine processes of ~25 s each on an idle 2-core machine.
+pytestmark = pytest.mark.timeout(3000)
+
+
+def _spec(model: Path, connector: dict[str, Any] | None, *steps: Any) -> dict[str, Any]:
+    shaped = [s if "action" in s else {"prompts": s, "max_tokens": MAX_TOKENS} for s in steps]
+    return {"model": str(model), "connector": connector, "steps": shaped,
+            "prefix_caching": False}
+
+
+def _tokens(step: list[dict[str, Any]]) -> list[list[int]]:
+    return [r["tokens"] for r in step]
+
+
+def _model(tmp: Path, kinds: list[str]) -> Path:
+    return build_model(tmp / "-".join(k[0] for k in kinds), layer_types=kinds,
+                       sliding_window=WINDOW)
+
+
+def test_a_hybrid_sliding_window_model_is_served_from_kvtier_with_vllms_own_output(tmp_path):
+    model = _model(tmp_path, ["sliding_attention", "full_attention"] * 2)
+    tiers = {"disk_url": f"file://{tmp_path / 'disk'}", "host_pool_bytes": "64MiB"}
+    reference = run_scenario(_spec(model, None, PROMPTS), tmp_path)
+    store = run_scenario(_spec(model, tiers, PROMPTS, DRAIN), tmp_path)
+    load = run_scenario(_spec(model, tiers, PROMPTS), tmp_path)
+    assert _tokens(store["steps"][0]) == _tokens(reference["steps"][0])
+    assert store["connector"]["saved_tokens"] == 2 * STORED
+    assert _tokens(load["steps"][0]) == _tokens(reference["steps"][0])
+    assert [r["computed_tokens"] for r in load["steps"][0]] == [300 - STORED + MAX_TOKENS - 1] * 2
+    assert load["connector"].get("requests_refused_model_kv", 0) == 0
+
+
+def test_a_model_whose_layers_all_slide_is_neither_served_nor_stored(tmp_path):
+    model = _model(tmp_path, ["sliding_attention"] * 4)
+    tiers = {"disk_url": f"file://{tmp_path / 'disk'}", "host_pool_bytes": "64MiB"}
+    reference = run_scenario(_spec(model, None, PROMPTS), tmp_path)
+    run = run_scenario(_spec(model, tiers, PROMPTS, DRAIN, PROMPTS), tmp_path)
+    for step in run["steps"]:
+        assert _tokens(step) == _tokens(reference["steps"][0])
+        assert [r["computed_tokens"] for r in step] == [300 + MAX_TOKENS - 1] * 2
+    counts = run["connector"]
+    assert counts["requests_refused_model_kv"] == 4
+    assert counts.get("saved_tokens", 0) == 0 and counts.get("lookups", 0) == 0
