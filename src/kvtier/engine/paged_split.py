@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvtier.engine.rounding import dot_at
+
 #: Key positions one program reduces: a multiple of ``BLOCK_N``; 256 cuts a 5k-token past into
 #: 20 programs per KV head, enough to fill the GPU for one sequence, while each chunk's partial
 #: (a head_dim vector and two scalars in fp32) stays small next to the keys it read.
@@ -58,14 +60,14 @@ def split_decode_kernel(q_ptr, k_ptr, v_ptr, m_ptr, l_ptr, acc_ptr, table_ptr, d
         slot = page.to(tl.int64) * page_size + cols % page_size
         offsets = slot[:, None] * sk_tok + kv_head * sk_h + dims[None, :]
         k = tl.load(k_ptr + offsets, mask=col_ok[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        scores = dot_at(q, tl.trans(k), PRECISION) * scale_log2
         scores = tl.where(col_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         p = tl.exp2(scores - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + offsets, mask=col_ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + dot_at(p.to(v.dtype), v, PRECISION)
         m_i = m_new
     part = (row * tl.num_programs(1) * n_rep + q_head) * n_splits + split
     tl.store(m_ptr + part, m_i, mask=row_ok)

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from kvtier.engine import paged_split
+from kvtier.engine.rounding import dot_at
 
 BLOCK_N = 32
 #: Query rows (tokens x query heads per KV head) one program holds: always this many, so that
@@ -55,7 +56,7 @@ def chunk_softmax(q, k_ptr, v_ptr, table_ptr, seq, max_pages, page_size, sk_tok,
         slot = page.to(tl.int64) * page_size + cols % page_size
         offsets = slot[:, None] * sk_tok + kv_head * sk_h + dims[None, :]
         k = tl.load(k_ptr + offsets, mask=col_ok[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        scores = dot_at(q, tl.trans(k), PRECISION) * scale_log2
         visible = col_ok[None, :] & (cols[None, :] <= last_visible[:, None])
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -64,7 +65,7 @@ def chunk_softmax(q, k_ptr, v_ptr, table_ptr, seq, max_pages, page_size, sk_tok,
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + offsets, mask=col_ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + dot_at(p.to(v.dtype), v, PRECISION)
         m_i = m_new
     return m_i, l_i, acc
 

@@ -8,7 +8,15 @@ fp32. These helpers give both the GPU's results, so the CPU tests check what the
 ``round_to`` rounds with integer bit operations (the same on every backend; a NaN may come back
 as an infinity), ``dot`` multiplies fp32 copies of bf16/fp16 tiles in the interpreter (each
 product of two bf16 or fp16 values is exact in fp32, as in the tensor cores) and fp32 tiles in
-full fp32 (no TF32). Called from kernels on whatever thread launches them.
+full fp32 (no TF32).
+
+In the interpreter ``dot`` sums each output over the shared dimension itself rather than
+calling ``tl.dot``: the interpreter's ``tl.dot`` is numpy's matmul, i.e. the machine's BLAS, and
+some BLAS kernels (OpenBLAS's Haswell and Zen ones among them) round a row's sums differently
+depending on where the row sits in the tile. A GPU's MMA computes every output from its own row
+and column alike, so a query's bits do not depend on which tile row it lands in; the summed
+form keeps that property on every CPU, which is what the bit-identity tests check. Called from
+kernels on whatever thread launches them.
 """
 
 from __future__ import annotations
@@ -20,6 +28,8 @@ import triton.language as tl
 
 #: Kernels take this as a constexpr: the interpreter needs ``dot``'s fp32 detour.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+#: The same, read by ``dot_at`` as a global (its callers pass a precision instead).
+_INTERPRET_DOT: tl.constexpr = tl.constexpr(INTERPRET)
 
 
 @triton.jit
@@ -39,8 +49,25 @@ def round_to(x, dtype: tl.constexpr):
 def dot(a, b, INTERPRET_MODE: tl.constexpr):
     """``a @ b`` with fp32 accumulation; fp32 operands in full fp32."""
     if INTERPRET_MODE:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        # one fixed order of sums for every output, whatever its row (see the module notes)
+        return _summed_dot(a, b)
     elif a.dtype == tl.float32:
         return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a, b)
+
+
+@triton.jit
+def dot_at(a, b, PRECISION: tl.constexpr):
+    """``tl.dot(a, b, input_precision=PRECISION)`` on the GPU; in the interpreter, the same
+    product summed in one fixed order for every output (see the module notes)."""
+    if _INTERPRET_DOT:
+        return _summed_dot(a, b)
+    else:
+        return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _summed_dot(a, b):
+    """``a @ b`` in fp32, each output summed over the shared dimension in the same order."""
+    return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
