@@ -39,7 +39,7 @@ class BlockLayout:
     kv_heads: int
     head_dim: int
 
-    def _views(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def views(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V as views indexed ``[block, offset]`` -> ``[heads, head_dim]`` rows."""
         n, b, h, d = self.num_blocks, self.block_size, self.kv_heads, self.head_dim
         if self.kind == "cpu":
@@ -53,7 +53,7 @@ class BlockLayout:
 
     def read(self, kv: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V rows of ``slots`` as two ``[len(slots), kv_heads, head_dim]`` tensors."""
-        k, v = self._views(kv)
+        k, v = self.views(kv)
         blocks, offsets = slots // self.block_size, slots % self.block_size
         return k[blocks, offsets], v[blocks, offsets]
 
@@ -64,12 +64,12 @@ class BlockLayout:
         gathered = kv.index_select(1 if self.kind == "flash" else 0, block_ids)
         n = len(block_ids)
         return BlockLayout(self.kind, n, self.block_size, self.kv_heads,
-                           self.head_dim)._views(gathered)
+                           self.head_dim).views(gathered)
 
     def write(self, kv: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor,
               values: torch.Tensor) -> None:
         """Store ``[len(slots), kv_heads, head_dim]`` K and V rows at ``slots``."""
-        k, v = self._views(kv)
+        k, v = self.views(kv)
         blocks, offsets = slots // self.block_size, slots % self.block_size
         k[blocks, offsets] = keys.to(k.dtype)
         v[blocks, offsets] = values.to(v.dtype)

@@ -138,7 +138,7 @@ class SaveCopier:
         """Each block straight into its page: no gathered temporary (a fresh 6 MB allocation per
         layer, whose page faults cost as much as the copy) and no second pass over it."""
         assert save.pages is not None and save.blocks is not None
-        keys, values = self.layout._views(kv)       # [blocks, block_size, heads, head_dim]
+        keys, values = self.layout.views(kv)        # [blocks, block_size, heads, head_dim]
         for block, page in zip(save.blocks.tolist(), save.pages.tolist(), strict=True):
             pool[layer, 0, page].copy_(keys[block])
             pool[layer, 1, page].copy_(values[block])
