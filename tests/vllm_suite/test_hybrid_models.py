@@ -36,6 +36,14 @@ def _tokens(step: list[dict[str, Any]]) -> list[list[int]]:
     return [r["tokens"] for r in step]
 
 
+def _assert_same_tokens(run: dict[str, Any], reference: dict[str, Any], step: int = 0) -> None:
+    """The run's greedy tokens are the reference's; if not, the message carries what the run's
+    connector counted and what each request computed, to tell a bad load from a bad claim."""
+    got, want = _tokens(run["steps"][step]), _tokens(reference["steps"][0])
+    assert got == want, {"got": got, "want": want, "connector": run["connector"],
+                         "computed": [r["computed_tokens"] for r in run["steps"][step]]}
+
+
 def _model(tmp: Path, kinds: list[str]) -> Path:
     return build_model(tmp / "-".join(k[0] for k in kinds), layer_types=kinds,
                        sliding_window=WINDOW)
@@ -47,9 +55,9 @@ def test_a_hybrid_sliding_window_model_is_served_from_kvtier_with_vllms_own_outp
     reference = run_scenario(_spec(model, None, PROMPTS), tmp_path)
     store = run_scenario(_spec(model, tiers, PROMPTS, DRAIN), tmp_path)
     load = run_scenario(_spec(model, tiers, PROMPTS), tmp_path)
-    assert _tokens(store["steps"][0]) == _tokens(reference["steps"][0])
+    _assert_same_tokens(store, reference)
     assert store["connector"]["saved_tokens"] == 2 * STORED
-    assert _tokens(load["steps"][0]) == _tokens(reference["steps"][0])
+    _assert_same_tokens(load, reference)
     assert [r["computed_tokens"] for r in load["steps"][0]] == [300 - STORED + MAX_TOKENS - 1] * 2
     assert load["connector"].get("requests_refused_model_kv", 0) == 0
 
@@ -59,8 +67,8 @@ def test_a_model_whose_layers_all_slide_is_neither_served_nor_stored(tmp_path):
     tiers = {"disk_url": f"file://{tmp_path / 'disk'}", "host_pool_bytes": "64MiB"}
     reference = run_scenario(_spec(model, None, PROMPTS), tmp_path)
     run = run_scenario(_spec(model, tiers, PROMPTS, DRAIN, PROMPTS), tmp_path)
-    for step in run["steps"]:
-        assert _tokens(step) == _tokens(reference["steps"][0])
+    for i, step in enumerate(run["steps"]):
+        _assert_same_tokens(run, reference, i)
         assert [r["computed_tokens"] for r in step] == [300 + MAX_TOKENS - 1] * 2
     counts = run["connector"]
     assert counts["requests_refused_model_kv"] == 4
