@@ -128,3 +128,12 @@ def test_hinted_documents_survive_a_flood_that_lru_lets_push_them_out():
     assert _hinted_share(trace, unhinted) < 0.05
     assert _hinted_share(trace, hinted) > 0.5
     assert hinted.hints["hint_pages_applied_total"] > 0
+
+
+def test_a_timed_replay_honours_hints_as_an_untimed_one_does():
+    trace = synthetic.hinted(synthetic.Shape(requests=600, duration_s=400))
+    config = ReplayConfig(300 * trace.block_tokens, policy="shadow")
+    plain, timed = replay(trace, config), replay(trace, config, timed=True)
+    assert plain.hints["hint_pages_applied_total"] > 0
+    assert timed.served_tokens == plain.served_tokens
+    assert timed.hints == plain.hints

@@ -2,7 +2,8 @@
 
 Owns ``TimedPolicy``, which wraps any ``EvictionPolicy`` and accumulates wall time and call
 counts per method (``add``, ``remove``, ``touch``, ``pop_victim``, ``forget``), so a replay can
-report the cost of a policy per page operation beside LRU's; the proxy's own cost (two
+report the cost of a policy per page operation beside LRU's (a cache hint's ``boost`` reaches
+the policy untimed, so a timed replay serves what an untimed one does); the proxy's own cost (two
 ``perf_counter_ns`` reads per call) is measured once with an empty policy and subtracted. And
 ``RecordingPolicy`` + ``time_calls``: log the call stream a replay sends one policy, then re-run
 it on fresh policies and keep the best of several runs (steadier on a busy machine).
@@ -26,6 +27,7 @@ class TimedPolicy(EvictionPolicy):
     def __init__(self, inner: EvictionPolicy) -> None:
         self.inner = inner
         self.name = inner.name
+        self.supports_boost = inner.supports_boost
         self.calls = dict.fromkeys(METHODS, 0)
         self.nanos = dict.fromkeys(METHODS, 0)
 
@@ -50,6 +52,9 @@ class TimedPolicy(EvictionPolicy):
 
     def forget(self, node: Node) -> None:
         self._timed("forget", node)
+
+    def boost(self, node: Node, pages: float) -> None:
+        self.inner.boost(node, pages)
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -102,6 +107,7 @@ class RecordingPolicy(EvictionPolicy):
     def __init__(self, inner: EvictionPolicy) -> None:
         self.inner = inner
         self.name = inner.name
+        self.supports_boost = inner.supports_boost
         self.log: list[tuple[str, tuple[Any, ...]]] = []
 
     def add(self, node: Node, pages: int) -> None:
@@ -123,6 +129,10 @@ class RecordingPolicy(EvictionPolicy):
     def forget(self, node: Node) -> None:
         self.log.append(("forget", (node,)))
         self.inner.forget(node)
+
+    def boost(self, node: Node, pages: float) -> None:
+        self.log.append(("boost", (node, pages)))
+        self.inner.boost(node, pages)
 
     def __len__(self) -> int:
         return len(self.inner)
