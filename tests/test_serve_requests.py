@@ -82,3 +82,23 @@ def test_models_gives_max_model_len_and_the_load_time(server):
     model = httpx.get(url + "/v1/models").json()["data"][0]
     assert model["max_model_len"] == service.lm.max_positions
     assert started - 5 <= model["created"] <= int(time.time())
+
+
+def test_a_request_the_engine_stops_under_gets_503_shutting_down():
+    import threading
+
+    with running_server(make_config(cache__enabled="false")) as (service, url):
+        body = {**PROMPT, "max_tokens": 20_000, "ignore_eos": True}
+        answer: dict[str, httpx.Response] = {}
+        thread = threading.Thread(target=lambda: answer.update(
+            resp=_post(url, "/v1/completions", json=body)))
+        thread.start()
+        deadline = time.monotonic() + 30
+        while service.scheduler.stats()["running"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        service.scheduler.stop()
+        thread.join(60)
+    resp = answer["resp"]
+    error = resp.json()["error"]
+    assert resp.status_code == 503, error
+    assert error["code"] == "ShuttingDown" and "shutting down" in error["message"]

@@ -114,7 +114,7 @@ def test_stop_mid_stream_sends_an_error_event_and_done_without_a_traceback(stopp
     events, output = stopped_mid_stream["events"], stopped_mid_stream["output"]
     assert events[-1] == "[DONE]", events[-3:]
     error = json.loads(events[-2])["error"]
-    assert "shutting down" in error["message"]
+    assert "shutting down" in error["message"] and error["code"] == "ShuttingDown"
     assert "Traceback" not in output and "CancelledError" not in output, output
     assert stopped_mid_stream["code"] == 0, output
 

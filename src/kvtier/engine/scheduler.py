@@ -33,6 +33,14 @@ class QueueFull(CapacityError):
     """More requests are queued or running than the server accepts."""
 
 
+class ShuttingDown(RuntimeError):
+    """Why a request ends unfinished when the engine thread stops (the server answers 503: the
+    same request may succeed on another server or after a restart)."""
+
+    def __init__(self) -> None:
+        super().__init__("the server is shutting down")
+
+
 class Scheduler:
     """Owns the engine thread; see the module docstring."""
 
@@ -221,13 +229,13 @@ class Scheduler:
         """Shutdown: end every running and queued request with a finish event."""
         self.calls.close()
         for seq in list(self._running):
-            self._close(seq, "error", RuntimeError("the server is shutting down"))
+            self._close(seq, "error", ShuttingDown())
         for seq in list(self._resume):
-            self._close(seq, "error", RuntimeError("the server is shutting down"), running=False)
+            self._close(seq, "error", ShuttingDown(), running=False)
         self._resume.clear()
         with self._lock:
             handles = [h for q in self._queues.values() for h in q]
             self._queues.clear()
         for handle in handles:
-            self._end(handle, FinishEvent("error", 0, None, "the server is shutting down",
-                                          "ShuttingDown"))
+            self._end(handle, FinishEvent("error", 0, None, str(ShuttingDown()),
+                                          ShuttingDown.__name__))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.engine.request import FinishEvent, GenerationRequest, PrefillReport, TokenEvent
-from kvtier.engine.scheduler import QueueFull
+from kvtier.engine.scheduler import QueueFull, ShuttingDown
 from kvtier.engine.text import Detokenizer, StopMatcher
 from kvtier.serve.errors import APIError
 from kvtier.serve.logs import request_line, request_log
@@ -67,8 +67,8 @@ async def _next_event(queue: asyncio.Queue[Any], disconnected: Callable[[], Any]
 async def stream_text(service: Any, request: GenerationRequest, stops: list[str], *,
                       disconnected: Callable[[], Any] | None = None
                       ) -> AsyncIterator[str | Done]:
-    """Yield text increments, then one ``Done``. Raises ``APIError`` 429 when the queue is full
-    and 500 when the engine fails the request."""
+    """Yield text increments, then one ``Done``. Raises ``APIError`` 429 when the queue is full,
+    503 when the server stops before the request finished and 500 when the engine fails it."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[Any] = asyncio.Queue()
     try:
@@ -98,7 +98,9 @@ async def stream_text(service: Any, request: GenerationRequest, stops: list[str]
             report = event.prefill
             if event.reason == "error":
                 outcome = "error"
-                raise APIError(500, f"generation failed: {event.error}", code=event.error_kind)
+                status = 503 if event.error_kind == ShuttingDown.__name__ else 500
+                raise APIError(status, f"generation failed: {event.error}",
+                               code=event.error_kind)
             if reason is None:
                 tail = stopper.feed(detok.flush()) + stopper.flush()
                 if tail:
