@@ -143,3 +143,29 @@ def test_a_released_hit_gives_back_its_early_prefetch() -> None:
         assert cache.stats()["outside_index"]["host"] == 0
         assert cache.stats()["tiers"]["host"]["free"] == 64
         cache.check_integrity()
+
+
+def test_landing_says_whether_a_load_now_would_wait_for_the_prefetch() -> None:
+    tokens = prompt(8, seed=9)
+    slow = LatencyStore(seeded_disk(tokens), per_page_s=0.05)  # 2-page batches: 0.1 s each
+    with make_cache(stores={"disk": slow}, prefetch_policy="wait_complete") as cache:
+        hit = cache.match(tokens)
+        assert not cache.landing(hit)             # nothing started: a load would read itself
+        cache.prefetch(hit)
+        assert cache.landing(hit)
+        deadline = time.monotonic() + 10
+        while cache.landing(hit) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not cache.landing(hit)
+        loaded = cache.load(hit)                  # served from what the prefetch landed
+        assert loaded.tokens == 8 * P
+        assert cache.stats()["counters"]["prefetch_total"] == {"completed": 1}
+        assert_kv(cache, tokens, loaded.device_page_ids)
+        cache.release(loaded)
+    slow = LatencyStore(seeded_disk(tokens), per_page_s=0.05)
+    with make_cache(stores={"disk": slow}, prefetch_policy="timeout",
+                    prefetch_timeout_base_s=0.0, prefetch_timeout_per_1k_tokens_s=0.0) as cache:
+        hit = cache.match(tokens)
+        cache.prefetch(hit)
+        assert not cache.landing(hit)             # a zero budget: the load would not wait
+        cache.release(hit)

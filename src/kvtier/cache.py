@@ -146,6 +146,13 @@ class TieredCache:
         e.g. while the request is queued or while the engine recomputes the head."""
         self.controller.prefetch(hit, recompute_tokens)
 
+    def landing(self, hit: Hit) -> bool:
+        """After ``prefetch(hit)``: whether its store part is still landing, so that ``load``
+        now would wait for it. A caller that must not block (a scheduler serving other
+        requests) asks again later and loads once this is False; the load then serves what
+        landed within the prefetch policy's wait."""
+        return self.controller.landing(hit)
+
     def load(self, hit: Hit, *, recompute_tokens: int = 0, overlap: bool = False) -> Loaded:
         """Bring the hit (past ``recompute_tokens``) to device pages and pin them. With
         ``overlap`` a copy from the host tier may still be in flight on return: read layer ``l``

@@ -7,6 +7,7 @@ what happens when a staged load is lost before the worker copies it.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from scheduler_harness import (
 )
 
 from kvtier.errors import ConfigError
+from kvtier.integrations.vllm_scheduler import TIER_SOURCES
 
 BLOCK = 32
 pytestmark = pytest.mark.timeout(600)
@@ -155,6 +157,54 @@ def test_a_lost_staged_load_is_reported_and_vllm_recomputes_it(tiny_model, tmp_p
         assert request.num_computed_tokens == 0        # vLLM recomputes from the first block
     finally:
         runtime.close()
+
+
+def _disk_only(runtime, tokens: list[int]) -> None:
+    fill_kvtier(runtime, tokens)                   # committed, then written to the disk tier
+    with runtime.lock:
+        runtime.cache.clear_tier("device")
+        runtime.cache.clear_tier("host")
+
+
+def test_a_hit_only_the_disk_holds_lands_while_other_requests_are_scheduled(scheduler):
+    """While another request runs, the scheduling thread does not read the disk: the first
+    answer is "ask again" (the prefetch to the host tier runs on kvtier's IO threads) and the
+    request waits while the other one steps; once the pages landed, the whole hit is claimed."""
+    runtime = scheduler.connector.runtime
+    tokens = _prompt(300)
+    _disk_only(runtime, tokens)
+    other, out = _admit(scheduler, _prompt(40, start=500))   # no hit: it runs
+    scheduler.update_from_output(out, runner_output(out))
+    held = make_request(tokens, BLOCK)
+    scheduler.add_request(held)
+    out = scheduler.schedule()
+    assert out.scheduled_new_reqs == []            # asked again later; no disk read here
+    assert other.request_id in out.num_scheduled_tokens
+    assert runtime.counts["lookups_deferred_landing"] == 1
+    for _ in range(200):                           # a step every 10 ms until the hit is staged
+        scheduler.update_from_output(out, runner_output(out))
+        if any(r.req_id == held.request_id for r in out.scheduled_new_reqs):
+            break
+        time.sleep(0.01)
+        out = scheduler.schedule()
+    (new,) = [r for r in out.scheduled_new_reqs if r.req_id == held.request_id]
+    assert new.num_computed_tokens == 288          # nine full 32-token pages, from the disk
+    (load,) = [spec for spec in out.kv_connector_metadata.loads
+               if spec.req_id == held.request_id]
+    assert (load.start, load.end) == (0, 288)
+    assert scheduler.connector.get_external_cache_hit_sources(held, 288) == {
+        TIER_SOURCES["disk"]: 288}
+    assert runtime.counts["lookups"] == 2          # one walk of the index per request
+    assert runtime.counts["lookups_deferred_landing"] == 1
+
+
+def test_with_nothing_else_running_a_disk_hit_is_read_at_once(scheduler):
+    runtime = scheduler.connector.runtime
+    tokens = _prompt(300)
+    _disk_only(runtime, tokens)
+    _, out = _admit(scheduler, tokens)
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 288
+    assert runtime.counts.get("lookups_deferred_landing", 0) == 0
 
 
 def _windowed_scheduler(model: Path, tmp: Path, spec):

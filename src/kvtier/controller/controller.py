@@ -70,6 +70,12 @@ class CacheController:
                 task.held = True
                 hit._prefetch = task
 
+    def landing(self, hit: Hit) -> bool:
+        """Whether the prefetch ``prefetch`` started for ``hit`` is still landing, so that a
+        load now would wait for it (under the prefetch policy)."""
+        task = hit._prefetch
+        return task is not None and self.prefetcher.waiting(task)
+
     def plan_split(self, hit: Hit) -> int:
         """Agreed across ranks (rates are measured per rank): the smallest rank's split."""
         return self.ranks.agree(lambda: plan_split(hit, self.rates, self._bytes_per_token()))

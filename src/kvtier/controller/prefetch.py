@@ -120,18 +120,27 @@ class Prefetcher:
         except PoolExhausted:
             return []
 
+    def _wait_left_s(self, task: PrefetchTask) -> float:
+        """How much longer a request may wait for ``task`` under the policy (0: no longer)."""
+        config, job = self.ctx.config, task.job
+        policy = config.prefetch_policy
+        if policy == "wait_complete":
+            return max(job.deadline - time.monotonic(), 0.0)
+        if policy == "timeout":
+            budget = prefetch_budget_s(config, job.pages * self.ctx.page_size)
+            return max(task.started + budget - time.monotonic(), 0.0)
+        return 0.0
+
+    def waiting(self, task: PrefetchTask) -> bool:
+        """Whether ``wait`` would block now: the job still runs and the policy's wait has not
+        run out (a caller that must not block polls this and loads once it is False)."""
+        return not task.job.is_done() and self._wait_left_s(task) > 0
+
     def wait(self, task: PrefetchTask) -> int:
         """Wait as the policy says; returns the landed pages the request may use now."""
         config, job = self.ctx.config, task.job
         policy = config.prefetch_policy
-        if policy == "wait_complete":
-            timeout = max(job.deadline - time.monotonic(), 0.0)
-        elif policy == "timeout":
-            budget = prefetch_budget_s(config, job.pages * self.ctx.page_size)
-            timeout = max(task.started + budget - time.monotonic(), 0.0)
-        else:
-            timeout = 0.0
-        done = job.wait(timeout)
+        done = job.wait(self._wait_left_s(task))
         landed = job.landed
         if done:
             outcome = "completed" if job.outcome == "completed" else "failed"

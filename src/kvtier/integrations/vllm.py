@@ -85,7 +85,8 @@ class KvtierConnector(KVConnectorBase_V1):
         self.runtime.close()
 
     # ---- scheduler side --------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Any,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict:

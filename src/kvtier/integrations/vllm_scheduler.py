@@ -12,6 +12,16 @@ page that is missing, corrupt or behind a dead store shortens the claim instead 
 request later (vLLM 0.32's default ``kv_load_failure_policy`` ends a request on a reported load
 error). The worker half then only copies staged rows into vLLM's blocks, layer by layer.
 
+Other requests never wait on a store read: when part of a hit is held only by the disk or
+Redis tier and the last step ran other requests, the first call starts kvtier's prefetch of
+that part into the host tier (on kvtier's IO threads) and answers ``None``, which vLLM 0.32
+takes as "ask again later": the request waits while the others keep stepping, and the claim is
+made (and the hit staged from the host tier) once the prefetch has landed or the prefetch
+policy's wait has run out (``controller.prefetch_policy``; what landed by then is claimed).
+Counted ``lookups_deferred_landing``. With nothing else running the read happens on the spot
+(within the same policy's wait): no one else waits then, and a thread that polls would take
+CPU from the IO threads that read.
+
 For a model whose KV kvtier cannot restore exactly (``ModelShape.refused``: a group that keeps
 only the sliding window's blocks, several groups, MLA) no request is served or stored, each
 counted ``requests_refused_model_kv``.
@@ -36,6 +46,9 @@ from kvtier.integrations.vllm_runtime import ConnectorRuntime
 from kvtier.integrations.vllm_specs import LoadSpec, SaveSpec
 
 __all__ = ["KvtierConnectorMetadata", "LoadSpec", "SaveSpec", "SchedulerSide"]
+
+#: ``_stage``'s answer while a store's part of the hit lands (the request waits a step).
+LANDING = object()
 
 #: Which vLLM hit source each kvtier tier reports as (kvtier's staging pages are host memory).
 TIER_SOURCES: dict[str, CacheHitSource] = {
@@ -65,6 +78,7 @@ class _Tracked:
     stored: bool = False
     held: int = 0                                  # prompt tokens kvtier staged (it holds them)
     off: bool = False                              # the request opted out of kvtier
+    landing: Any = None                            # its hit, while a store's part lands
 
 
 class SchedulerSide:
@@ -74,9 +88,11 @@ class SchedulerSide:
         self.runtime = runtime
         self._tracked: dict[str, _Tracked] = {}
         self._loads: list[LoadSpec] = []
+        self._stepping: set[str] = set()   # requests the last step ran (and not finished)
 
     # ---- admission -------------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Any,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
         rt = self.runtime
         tracked = self._tracked.setdefault(request.request_id, _Tracked(request))
         if tracked.off or self._refused(request) or self._opted_out(request):
@@ -90,6 +106,8 @@ class SchedulerSide:
             loaded = rt.staged.get(request.request_id)
             if loaded is None:
                 loaded = self._stage(tracked, prompt, request.cache_salt, num_computed_tokens)
+            if loaded is LANDING:
+                return None, False       # vLLM asks again at a later step
             end = min(loaded.tokens, limit) if loaded is not None else 0
         if end <= num_computed_tokens:
             rt.release_staged(request.request_id)
@@ -100,13 +118,27 @@ class SchedulerSide:
 
     def _stage(self, tracked: _Tracked, prompt: list[int], salt: str | None,
                num_computed_tokens: int) -> Any:
+        """The request's hit staged in kvtier's device pool, None when there is none to claim,
+        or ``LANDING`` while the part only a store holds lands in the host tier (started by
+        the first call: the disk or Redis read runs on kvtier's IO threads, not here)."""
         rt, cache = self.runtime, self.runtime.cache
-        rt.counts["lookups"] += 1
         started = time.perf_counter()
-        hit = cache.match(prompt, salt)
-        if min(hit.tokens, len(prompt) - 1) <= num_computed_tokens:
+        hit = tracked.landing
+        others_run = bool(self._stepping - {tracked.request.request_id})
+        if hit is None:
+            rt.counts["lookups"] += 1
+            hit = cache.match(prompt, salt)
+            if min(hit.tokens, len(prompt) - 1) <= num_computed_tokens:
+                rt.counts["lookup_us"] += int((time.perf_counter() - started) * 1e6)
+                return None
+            if others_run:
+                cache.prefetch(hit)
+        if others_run and cache.landing(hit):
+            rt.counts["lookups_deferred_landing"] += tracked.landing is None
+            tracked.landing = hit
             rt.counts["lookup_us"] += int((time.perf_counter() - started) * 1e6)
-            return None
+            return LANDING
+        tracked.landing = None
         loaded = cache.load(hit)
         rt.counts["lookup_us"] += int((time.perf_counter() - started) * 1e6)
         rt.counts["matched_tokens"] += hit.tokens
@@ -167,6 +199,7 @@ class SchedulerSide:
                 self.runtime.cache.poll()
             finally:
                 lock.release()
+        self._stepping = set(scheduler_output.num_scheduled_tokens)
         meta = KvtierConnectorMetadata(loads=self._loads,
                                        preempted=sorted(scheduler_output.preempted_req_ids or ()))
         self._loads = []
@@ -215,7 +248,11 @@ class SchedulerSide:
         them), then have vLLM keep the blocks (True) while a save still copies out of them;
         the worker's ``get_finished`` says when they are free."""
         tracked = self._tracked.pop(request.request_id, None)
+        self._stepping.discard(request.request_id)
         self.runtime.release_staged(request.request_id)
+        if tracked is not None and tracked.landing is not None:   # ended while it landed
+            with self.runtime.lock:
+                self.runtime.cache.release(tracked.landing)
         if tracked is not None and tracked.stored and not tracked.off and not \
                 self.runtime.shape.refused:
             self._save_generated(request, list(block_ids or ()))
