@@ -7,7 +7,8 @@ connector (``"connector": {...}``, its options) or one that does nothing (``"con
 ``cache_salt``), and writes per request the output tokens, vLLM's ``num_cached_tokens``, the
 prompt tokens the model really ran through its embedding (a forward hook), its wall time and
 the process's CPU time over it (and that of kvtier's own threads), and the connector's
-counters. Actions between steps: kill a
+counters. A step with ``beside`` adds its prompt while another request decodes
+(``_run_beside``). Actions between steps: kill a
 process (Redis), or wait for the connector's queued saves and IO (``drain_connector``:
 seconds). Run as a script only: vLLM changes torch's thread count in the process that hosts it.
 """
@@ -115,6 +116,45 @@ def _run_step(llm: Any, counter: _Counter, step: dict[str, Any]) -> list[dict[st
     return results
 
 
+def _run_beside(llm: Any, counter: _Counter, step: dict[str, Any]) -> list[dict[str, Any]]:
+    """``{"beside": {"tokens": [...], "max_tokens": N, "after": K}, "prompts": [P]}``: start
+    the ``beside`` request, step the engine until it generated ``K`` tokens, then add ``P``
+    and step until both finish (``P`` arrives while another request runs). Returns ``P``'s
+    result then the ``beside`` request's, each with the longest wall-clock gap between two of
+    its tokens (and ``P``'s time to its first token)."""
+    from vllm import SamplingParams
+
+    engine, beside = llm.llm_engine, step["beside"]
+    (prompt,) = step["prompts"]
+    sampling = {"temperature": 0.0, "ignore_eos": True}
+    engine.add_request("beside", {"prompt_token_ids": beside["tokens"]},
+                       SamplingParams(max_tokens=beside["max_tokens"], **sampling))
+    seen: dict[str, list[float]] = {"beside": [], "prompt": []}
+    done: dict[str, Any] = {}
+    before, added = counter.tokens, None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            now = time.perf_counter()
+            seen[out.request_id].extend([now] * (len(out.outputs[0].token_ids)
+                                                 - len(seen[out.request_id])))
+            if out.finished:
+                done[out.request_id] = out
+        if added is None and len(seen["beside"]) >= beside["after"]:
+            added = time.perf_counter()
+            engine.add_request("prompt", {"prompt_token_ids": prompt["tokens"]},
+                               SamplingParams(max_tokens=step.get("max_tokens", 8), **sampling))
+    results = []
+    for name in ("prompt", "beside"):
+        times = seen[name]
+        results.append({"tokens": list(done[name].outputs[0].token_ids),
+                        "num_cached_tokens": done[name].num_cached_tokens or 0,
+                        "first_token_s": times[0] - added if name == "prompt" else None,
+                        "max_gap_s": max((b - a for a, b in zip(times, times[1:],
+                                                                strict=False)), default=0.0)})
+    results[0]["computed_tokens_both"] = counter.tokens - before
+    return results
+
+
 def main(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     started = time.perf_counter()
@@ -127,7 +167,8 @@ def main(spec_path: str, out_path: str) -> None:
         if step.get("action"):
             out["actions"].append(_act(step["action"]))
             continue
-        out["steps"].append(_run_step(llm, counter, step))
+        run = _run_beside if step.get("beside") else _run_step
+        out["steps"].append(run(llm, counter, step))
     out["connector"] = _connector_stats()
     Path(out_path).write_text(json.dumps(out))
 

@@ -2,7 +2,8 @@
 
 The runs share one disk tier and one Redis server, in order: vLLM without the connector (the
 reference output), a store run, a fresh-process load run (hits, a different ``cache_salt``,
-Redis killed in the middle), and a run after every stored page on disk was corrupted. What the
+Redis killed in the middle), a disk hit arriving while another request decodes, and a run
+after every stored page on disk was corrupted. What the
 model really computed is counted by a forward hook on its embedding, since vLLM's own hit
 counters record what the connector claimed at admission.
 """
@@ -23,16 +24,18 @@ STORED = 256                 # full pages of each prompt
 PROMPTS = prompts(3, PROMPT_TOKENS, seed=7)
 A, B, C = ({"tokens": p} for p in PROMPTS)
 A_OTHER_TENANT = {"tokens": PROMPTS[0], "salt": "tenant-b"}
+D = {"tokens": prompts(1, PROMPT_TOKENS, seed=8)[0]}     # never stored before it runs
 #: Prompts are stored after their step, on the connector's saver thread: wait for it.
 DRAIN = {"action": {"drain_connector": 120}}
 
-#: Four engine processes of ~25 s each on an idle 2-core machine; far more on a loaded one.
+#: Six engine processes of ~25 s each on an idle 2-core machine; far more on a loaded one.
 pytestmark = [pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed"),
               pytest.mark.timeout(3000)]
 
 
 def _spec(model: Path, connector: dict[str, Any] | None, *steps: Any) -> dict[str, Any]:
-    shaped = [s if "action" in s else {"prompts": s, "max_tokens": MAX_TOKENS} for s in steps]
+    shaped = [s if isinstance(s, dict) else {"prompts": s, "max_tokens": MAX_TOKENS}
+              for s in steps]
     return {"model": str(model), "connector": connector, "steps": shaped}
 
 
@@ -43,11 +46,15 @@ def runs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     try:
         tiers = {"disk_url": f"file://{work / 'disk'}", "remote_url": server.url(),
                  "host_pool_bytes": "64MiB", "remote_timeout_s": 0.5}
-        out = {"reference": run_scenario(_spec(tiny_model, None, [A, B, C, A_OTHER_TENANT]), work)}
+        out = {"reference": run_scenario(_spec(tiny_model, None, [A, B, C, A_OTHER_TENANT, D]),
+                                         work)}
         out["store"] = run_scenario(_spec(tiny_model, tiers, [A, B], DRAIN), work)
         out["load"] = run_scenario(_spec(
             tiny_model, tiers, [A, A_OTHER_TENANT], {"action": {"kill_pid": server.process.pid}},
             [B, C]), work)
+        beside = {"beside": {**D, "max_tokens": 40, "after": 3}, "prompts": [A],
+                  "max_tokens": MAX_TOKENS}
+        out["beside"] = run_scenario(_spec(tiny_model, dict(tiers, remote_url=""), beside), work)
         _corrupt_disk_pages(work / "disk")
         out["corrupt"] = run_scenario(_spec(tiny_model, dict(tiers, remote_url=""), [A]), work)
         return out
@@ -103,6 +110,17 @@ def test_requests_complete_with_identical_output_after_redis_is_killed(runs):
     assert [r["tokens"] for r in after] == _tokens(runs["reference"])[1:3]
     assert after[0]["num_cached_tokens"] == STORED        # B: still served from the disk tier
     assert after[1]["computed_tokens"] == PROMPT_TOKENS + MAX_TOKENS - 1   # C: new, computed
+
+
+def test_a_disk_hit_arriving_while_another_request_decodes_lands_beside_it(runs):
+    """A fresh process: D decodes; A, stored on the disk tier only, arrives. The scheduling
+    thread does not read the disk: A waits while its pages land (D keeps stepping), then is
+    served whole, and both outputs are vLLM's own."""
+    (hit, beside), reference = runs["beside"]["steps"][0], runs["reference"]["steps"][0]
+    assert hit["tokens"] == reference[0]["tokens"]
+    assert hit["num_cached_tokens"] == STORED
+    assert beside["tokens"][:MAX_TOKENS] == reference[4]["tokens"]
+    assert runs["beside"]["connector"]["lookups_deferred_landing"] == 1
 
 
 def test_corrupted_pages_on_disk_are_recomputed_with_identical_output_and_counted(runs):
