@@ -131,7 +131,7 @@ def _run_beside(llm: Any, counter: _Counter, step: dict[str, Any]) -> list[dict[
                        SamplingParams(max_tokens=beside["max_tokens"], **sampling))
     seen: dict[str, list[float]] = {"beside": [], "prompt": []}
     done: dict[str, Any] = {}
-    before, added = counter.tokens, None
+    added = None
     while engine.has_unfinished_requests():
         for out in engine.step():
             now = time.perf_counter()
@@ -151,7 +151,6 @@ def _run_beside(llm: Any, counter: _Counter, step: dict[str, Any]) -> list[dict[
                         "first_token_s": times[0] - added if name == "prompt" else None,
                         "max_gap_s": max((b - a for a, b in zip(times, times[1:],
                                                                 strict=False)), default=0.0)})
-    results[0]["computed_tokens_both"] = counter.tokens - before
     return results
 
 
