@@ -8,11 +8,18 @@ to it) and prefix length, side by side in one run:
   of torch's pinned memory to a contiguous device buffer: the pinned PCIe rate, the baseline of
   every ratio;
 - ``connector``: the path of a host hit in kvtier's vLLM connector: the scheduler half's
-  ``TieredCache.load`` (one launch of kvtier's transfer kernel, host pages -> kvtier's device
-  pool) and then the worker half's ``wait_for_layer_load`` for every layer (``vllm_blocks``:
-  one launch per layer, pool pages -> vLLM blocks);
-- ``connector, 1/SM``: the same with the worker's copies on one program per multiprocessor
-  (the kernels' default; the worker runs ``vllm_blocks.DEVICE_PROGRAMS_PER_SM``);
+  ``TieredCache.load(..., overlap=True)`` (kvtier's copy engine, host pages -> kvtier's device
+  pool, one launch and one event per layer on its load stream, left in flight) and then the
+  worker half's ``wait_for_layer_load`` for every layer (the forward's stream waits for that
+  layer's event, then ``vllm_blocks`` copies pool pages -> vLLM blocks, one launch per layer),
+  so the device-to-device copies overlap the bus copy of the layers after them;
+- ``connector, serial``: the path before the overlap: the whole load in one launch, and the
+  worker's copies only after it;
+- ``connector, wide load``: the same with the load's per-layer launches on the kernels'
+  default grid (one program per multiprocessor) rather than the small grid of layer-by-layer
+  loads, which leaves the SMs to the forward they overlap;
+- ``connector, N/SM``: the same with the worker's copies on N programs per multiprocessor
+  (the worker runs ``vllm_blocks.DEVICE_PROGRAMS_PER_SM``);
 - ``connector, torch rows``: the same with the worker's copy done by torch indexing by slot
   (what the worker does where the kernels do not apply);
 - ``direct``: kvtier's kernel from the pinned host pages straight into vLLM's blocks, one launch
@@ -48,10 +55,9 @@ import torch
 from kvtier.machine import format_table, write_report
 
 GB = 1e9
-#: The kernels' default grid (one program per multiprocessor, chosen for host copies, which the
-#: bus limits), as a row of its own beside the worker's wider grid
-#: (``vllm_blocks.DEVICE_PROGRAMS_PER_SM``), which was chosen from this comparison.
-NARROW_PROGRAMS_PER_SM = 1
+#: Grids (programs per multiprocessor) of the worker's pool -> block copies, each a row of its
+#: own beside the worker's (``vllm_blocks.DEVICE_PROGRAMS_PER_SM``, chosen from this comparison).
+OTHER_PROGRAMS_PER_SM = (1, 2, 4)
 #: The connector path's rate over the pinned ``copy_`` rate it should reach (issue #19).
 GOAL_RATIO = 0.90
 
@@ -87,6 +93,9 @@ class Setup:
                  device: torch.device) -> None:
         from kvtier.layout import KVLayout
         from kvtier.memory import HostPool, PinnedBudget
+        from kvtier.memory.device_pool import DevicePool
+        from kvtier.transfer.copy_engine import CopyEngine
+        from kvtier.transfer.kernels import KernelConfig
 
         self.block, self.device = block, device
         self.layout = KVLayout(args.layers, args.kv_heads, args.head_dim, args.dtype, block)
@@ -104,8 +113,13 @@ class Setup:
                              device=device)
         self.host.buffer.view(torch.int16).copy_(fill)
         del fill
-        self.pool = torch.empty(args.layers, 2, spare, block, args.kv_heads, args.head_dim,
-                                dtype=self.dtype, device=device)
+        self.device_pool = DevicePool(self.layout, spare, device)
+        self.pool = self.device_pool.kv
+        #: kvtier's copy engine over both pools: the scheduler half's ``TieredCache.load``.
+        self.engine = CopyEngine(self.device_pool, self.host)
+        #: The same with the load's launches on the kernels' default grid instead of the
+        #: layer-by-layer loads' small one (``copy_engine.LAYERWISE_LOAD_PROGRAMS``).
+        self.wide_engine = CopyEngine(self.device_pool, self.host, load_config=KernelConfig())
         self.nbytes = self.pages * self.layout.page_bytes
         #: The baseline's source: the same byte count in torch's own pinned memory.
         self.pinned = torch.empty(args.layers, self.nbytes // args.layers, dtype=torch.uint8,
@@ -128,7 +142,7 @@ def vllm_tensors(setup: Setup, kind: str) -> list[torch.Tensor]:
 
 def paths(setup: Setup, kind: str, kv: list[torch.Tensor]) -> dict[str, Callable[[], None]]:
     """Each path's work: the whole prefix into ``kv``, layer by layer."""
-    from kvtier.integrations.vllm_blocks import BlockCopier
+    from kvtier.integrations.vllm_blocks import DEVICE_PROGRAMS_PER_SM, BlockCopier
     from kvtier.integrations.vllm_layout import BlockLayout
     from kvtier.transfer.kernels import KernelConfig, PreparedCopy
     from kvtier.transfer.plan import device_geometry, host_geometry, make_plan
@@ -141,8 +155,9 @@ def paths(setup: Setup, kind: str, kv: list[torch.Tensor]) -> dict[str, Callable
     stage = PreparedCopy(make_plan("load", host_geo, pool_geo, setup.host_ids, setup.pool_ids),
                          setup.pool, host)
     from_pool = BlockCopier.for_device_pool(layout, setup.pool)
-    narrow = BlockCopier.for_device_pool(layout, setup.pool,
-                                         KernelConfig(programs_per_sm=NARROW_PROGRAMS_PER_SM))
+    grids = {f"connector, {n}/SM": BlockCopier.for_device_pool(
+        layout, setup.pool, KernelConfig(programs_per_sm=n))
+        for n in OTHER_PROGRAMS_PER_SM if n != DEVICE_PROGRAMS_PER_SM}
     from_host = BlockCopier(layout, host, host_geo, setup.pool.element_size())
     block = setup.block
     tokens = torch.arange(setup.pages * block)
@@ -156,8 +171,18 @@ def paths(setup: Setup, kind: str, kv: list[torch.Tensor]) -> dict[str, Callable
         for layer in range(lay.num_layers):
             baseline_dst[layer].copy_(baseline_src[layer], non_blocking=True)
 
-    def through_pool(copier: BlockCopier) -> Callable[[], None]:
+    def through_pool(copier: BlockCopier, engine: Any = setup.engine) -> Callable[[], None]:
         def run() -> None:          # the scheduler's load, then wait_for_layer_load per layer
+            ticket = engine.load_layerwise(setup.host_ids, setup.pool_ids)
+            plan = copier.plan("load", setup.pool_ids, setup.block_ids)
+            ids = copier.ids(plan, dev)
+            for layer, tensor in enumerate(kv):
+                ticket.stream_wait(layer=layer)
+                copier.copy(plan, layer, tensor, ids)
+        return run
+
+    def serial(copier: BlockCopier) -> Callable[[], None]:
+        def run() -> None:          # the whole load in one launch, then the worker's copies
             stage.launch()
             plan = copier.plan("load", setup.pool_ids, setup.block_ids)
             ids = copier.ids(plan, dev)
@@ -177,7 +202,9 @@ def paths(setup: Setup, kind: str, kv: list[torch.Tensor]) -> dict[str, Callable
             from_host.copy(plan, layer, tensor, ids)
 
     return {"pinned copy_": pinned, "connector": through_pool(from_pool),
-            f"connector, {NARROW_PROGRAMS_PER_SM}/SM": through_pool(narrow),
+            **{name: through_pool(copier) for name, copier in grids.items()},
+            "connector, serial": serial(from_pool),
+            "connector, wide load": through_pool(from_pool, setup.wide_engine),
             "connector, torch rows": torch_rows, "direct": direct}
 
 

@@ -13,7 +13,7 @@ import torch
 
 from kvtier.integrations.vllm_blocks import BlockCopier, layer_geometry
 from kvtier.integrations.vllm_layout import BlockLayout
-from vllm_copy_support import as_words, make_runtime, round_trip, slots
+from vllm_copy_support import HeldCopy, Step, as_words, make_runtime, round_trip, slots
 
 LAYERS, HEADS, DIM, BLOCK, NUM_BLOCKS = 2, 2, 16, 16, 12
 OLD, NEW = (5, 9, 2, 0, 7), (3, 11, 1, 8, 4)
@@ -65,6 +65,29 @@ def test_a_prompt_saved_from_one_backend_loads_into_the_other(runtime, save_kind
     _, source, target = round_trip(runtime, save_kind, load_kind, NUM_BLOCKS, "cpu",
                                    _prompt(count), OLD, NEW, count - 1, use_kernels=True)
     _check(save_kind, load_kind, source, target, count - 1)
+
+
+@pytest.mark.parametrize("use_kernels", [pytest.param(True, marks=interpreted), False])
+def test_a_load_in_flight_is_waited_for_layer_by_layer_and_released_once_landed(runtime,
+                                                                                 use_kernels):
+    # The scheduler half leaves a hit's host -> pool copy in flight (on CUDA): the forward's
+    # stream must wait for each layer before the worker copies it out of the pool, and the
+    # step's end must not release (and so wait on the host for) a copy that has not landed.
+    count = len(OLD) * BLOCK
+    copy, handles = HeldCopy(), []
+    worker, source, target = round_trip(runtime, "flash", "flash", NUM_BLOCKS, "cpu",
+                                        _prompt(count), OLD, NEW, count - 3,
+                                        use_kernels=use_kernels, in_flight=copy,
+                                        handles=handles)
+    assert copy.waited == list(range(LAYERS))
+    _check("flash", "flash", source, target, count - 3)
+    (loaded,) = handles
+    assert not loaded.released and not copy.landed
+    worker.start_load_kv(Step())                # a later step: still in flight, still held
+    assert not loaded.released
+    copy.landed = True
+    worker.start_load_kv(Step())
+    assert loaded.released
 
 
 @pytest.mark.parametrize("kind", ["flash", "flashinfer", "cpu"])

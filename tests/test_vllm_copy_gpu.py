@@ -68,3 +68,44 @@ def test_whole_block_loads_are_byte_exact(block):
 @pytest.mark.parametrize("save_kind,load_kind", [("flash", "flashinfer"), ("flashinfer", "flash")])
 def test_pages_saved_from_one_backend_load_into_the_other(save_kind, load_kind):
     _run(save_kind, load_kind, torch.bfloat16, 16, tail=5)
+
+
+def test_a_long_hit_copied_while_the_forward_reads_it_is_byte_exact():
+    # 256 blocks of 32 layers (512 MiB): the host -> pool copy, left in flight layer by layer,
+    # takes ~10 ms on the bus and starts, as the worker's pool -> block copies do, once the
+    # device is done with the work before it (200 ms of it here). Each of the worker's copies
+    # must wait for its own layer on the device, or it reads pages not yet landed. Twice, each
+    # with a runtime of its own: in the first, compiling the kernels holds the host back long
+    # enough for any copy to land.
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("set TRITON_INTERPRET=0 to run the kernels compiled on the GPU")
+    for _ in range(2):
+        _long_hit_round()
+
+
+def _long_hit_round():
+    layers, block, count_blocks, n = 32, 16, 256, 300
+    g = torch.Generator().manual_seed(3)
+    old = tuple(torch.randperm(n, generator=g)[:count_blocks].tolist())
+    new = tuple(torch.randperm(n, generator=g)[:count_blocks].tolist())
+    count = count_blocks * block
+    device = f"cuda:{torch.cuda.current_device()}"
+    runtime = make_runtime(layers, HEADS, DIM, torch.bfloat16, block, device,
+                           staging_pages=count_blocks)
+    try:
+        tokens = [(13 * i + 5) % 30000 + 5 for i in range(count)]
+        handles = []
+        worker, source, target = round_trip(runtime, "flash", "flash", n, device, tokens,
+                                            old, new, count, use_kernels=None,
+                                            handles=handles, busy_ms=200.0)
+        assert handles[0].start_tokens == 0 and handles[0].tokens == count
+        assert handles[0].ticket is not None, "the scheduler half's copy was not left in flight"
+        assert worker.blocks is not None
+        layout = BlockLayout("flash", n, block, HEADS, DIM)
+        was, now = slots(old, block, count).to(device), slots(new, block, count).to(device)
+        for name in source:
+            for got, want in zip(layout.read(target[name], now), layout.read(source[name], was),
+                                 strict=True):
+                assert torch.equal(as_words(got), as_words(want)), name
+    finally:
+        runtime.close(10.0)

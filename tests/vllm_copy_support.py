@@ -11,6 +11,7 @@ block ids, the way a later request's hit arrives.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -74,11 +75,18 @@ def slots(blocks: tuple[int, ...], block: int, count: int) -> torch.Tensor:
 def round_trip(runtime: ConnectorRuntime, save_kind: str, load_kind: str, num_blocks: int,
                device: str, tokens: list[int], old_blocks: tuple[int, ...],
                new_blocks: tuple[int, ...], load_tokens: int,
-               use_kernels: bool) -> tuple[WorkerSide, dict[str, torch.Tensor],
-                                           dict[str, torch.Tensor]]:
+               use_kernels: bool, in_flight: Any = None,
+               handles: list[Any] | None = None, busy_ms: float = 0.0,
+               ) -> tuple[WorkerSide, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Save ``tokens`` from random ``save_kind`` tensors at ``old_blocks``, then load the first
     ``load_tokens`` of them from kvtier's host tier into zeroed ``load_kind`` tensors at
-    ``new_blocks``; returns the worker, the source and the target tensors."""
+    ``new_blocks``; returns the worker, the source and the target tensors.
+
+    The load is staged as the scheduler half stages it (on CUDA its host -> pool copy left in
+    flight, layer by layer); ``in_flight`` replaces the staged load's ticket (a stand-in copy
+    that has not landed, for the CPU), and ``handles`` receives the staged load. ``busy_ms``
+    (CUDA) keeps the device busy that long before the load is staged, as the previous step's
+    forward does, so that the load's copy is still on the bus when the worker's copies start."""
     on_cuda = device.startswith("cuda")
     worker = WorkerSide(runtime, copy_in_forward=on_cuda, use_kernels=use_kernels)
     source = vllm_caches(runtime, save_kind, num_blocks, device, seed=7)
@@ -89,9 +97,19 @@ def round_trip(runtime: ConnectorRuntime, save_kind: str, load_kind: str, num_bl
     worker.wait_for_save(saving)
     assert runtime.drain(60.0)
     assert runtime.counts["saved_tokens"] == len(tokens)
+    if busy_ms and on_cuda:
+        torch.cuda._sleep(int(busy_ms * 2e6))   # ~2e6 cycles a millisecond at the H200's clock
     with runtime.lock:
         runtime.cache.clear_tier("device")
-        runtime.staged["r"] = runtime.cache.load(runtime.cache.match(tokens))
+        # Other bytes in every staging page (the save left this prompt's there), so that the
+        # rows reaching vLLM's blocks can only have come from the host tier.
+        runtime.cache.device_pool.kv.view(torch.uint8).fill_(0xA5)
+        loaded = runtime.cache.load(runtime.cache.match(tokens), overlap=True)
+        if in_flight is not None:
+            loaded.ticket = in_flight
+        runtime.staged["r"] = loaded
+    if handles is not None:
+        handles.append(loaded)
     target = vllm_caches(runtime, load_kind, num_blocks, device, seed=None)
     worker.register_kv_caches(target, BACKENDS[load_kind])
     worker.start_load_kv(Step(loads=[LoadSpec("r", 0, load_tokens, new_blocks)]))
@@ -101,6 +119,25 @@ def round_trip(runtime: ConnectorRuntime, save_kind: str, load_kind: str, num_bl
     if on_cuda:
         torch.cuda.synchronize()
     return worker, source, target
+
+
+class HeldCopy:
+    """A stand-in for a host -> pool copy still in flight: lands only on ``land()`` (or on a
+    host ``wait``), and records the layers a stream was made to wait for."""
+
+    def __init__(self) -> None:
+        self.waited: list[int | None] = []
+        self.landed = False
+
+    def stream_wait(self, stream: Any = None, layer: int | None = None) -> None:
+        self.waited.append(layer)
+
+    def is_done(self) -> bool:
+        return self.landed
+
+    def wait(self, timeout: float | None) -> bool:
+        self.landed = True
+        return True
 
 
 def as_words(t: torch.Tensor) -> torch.Tensor:

@@ -33,13 +33,15 @@ from kvtier.transfer.plan import CopyPlan, PoolGeometry, device_geometry, make_p
 #: Layouts whose blocks are a canonical page layer (K part, then V part, each contiguous).
 KERNEL_KINDS = ("flash", "flashinfer")
 #: Programs per multiprocessor of the copies between kvtier's device pool and vLLM's blocks.
-#: They run on the forward's own stream, just before the layer that reads them, so nothing
-#: runs beside them and a wide grid costs the forward nothing; device-to-device copies need
-#: more programs in flight than bus copies do. On the H200 (benchmarks/results/vllm_copy_h200.*)
-#: 4 per SM was ahead of 1 per SM (the copy engine's default) in all 16 cells of layout x
-#: block size x prefix, e.g. 0.93 against 0.86 of the pinned rate at 4k tokens in 16-token
-#: flash blocks.
-DEVICE_PROGRAMS_PER_SM = 4
+#: A load's copies run on the forward's stream, each just before the layer that reads it, while
+#: the host -> pool copy of the later layers is still in flight on kvtier's load stream: a grid
+#: that fills every SM delays that copy's next launch, and the bus, not the device-to-device
+#: copy, sets the pace. On the H200 (benchmarks/results/vllm_copy_h200.*), with the load in
+#: flight, 1 per SM was ahead of 4 per SM in 7 of 8 cells of layout x block size x prefix
+#: (e.g. 0.90 against 0.89 of the pinned rate at 4k tokens in 16-token flash blocks; the rows
+#: of 2 and 4 per SM stay in that table). 4 per SM had won while the copies ran only after the
+#: whole load had landed, with nothing beside them.
+DEVICE_PROGRAMS_PER_SM = 1
 
 
 def layer_geometry(layout: BlockLayout, element_size: int, num_layers: int) -> PoolGeometry:

@@ -10,7 +10,12 @@ then *loads* the hit into kvtier's staging pages right away, so every page has b
 its store and verified against the tokens it was computed for before vLLM hears a number. A
 page that is missing, corrupt or behind a dead store shortens the claim instead of failing the
 request later (vLLM 0.32's default ``kv_load_failure_policy`` ends a request on a reported load
-error). The worker half then only copies staged rows into vLLM's blocks, layer by layer.
+error). The worker half then only copies staged rows into vLLM's blocks, layer by layer. On
+CUDA the last leg, host tier -> staging pages, is left in flight (one launch and one event per
+layer, on kvtier's load stream): the scheduling thread does not wait for the bus, and the
+forward waits on the device for each layer's pages just before it copies them into vLLM's
+blocks, so the copy overlaps the forward. Those pages were verified when they entered the host
+tier; the copy cannot fail.
 
 Other requests never wait on a store read: when part of a hit is held only by the disk or
 Redis tier and the last step ran other requests, the first call starts kvtier's prefetch of
@@ -139,7 +144,9 @@ class SchedulerSide:
             rt.counts["lookup_us"] += int((time.perf_counter() - started) * 1e6)
             return LANDING
         tracked.landing = None
-        loaded = cache.load(hit)
+        # On CUDA the host -> pool copy is left in flight, one launch per layer: the worker
+        # waits for each layer on the device as the forward reaches it (wait_for_layer_load).
+        loaded = cache.load(hit, overlap=True)
         rt.counts["lookup_us"] += int((time.perf_counter() - started) * 1e6)
         rt.counts["matched_tokens"] += hit.tokens
         rt.counts["staged_tokens"] += loaded.tokens

@@ -6,7 +6,10 @@ Owns ``WorkerSide``. Runs on vLLM's model-runner thread, inside the forward:
   pages, destination slots in vLLM's blocks); vLLM calls it before the forward when the step
   has synchronous loads (kvtier's always are) and after it otherwise;
 - ``wait_for_layer_load(layer)`` copies that layer's loaded rows just before its attention runs,
-  so loading proceeds layer by layer with the forward: on CUDA with flash-attention's or
+  so loading proceeds layer by layer with the forward (on CUDA first making the forward's stream
+  wait for that layer of the host -> staging copy the scheduler left in flight; a finished
+  load whose copy has not landed is released at a later step, never waited for on the host):
+  on CUDA with flash-attention's or
   FlashInfer's layout and kvtier pages as large as vLLM's blocks, whole blocks with kvtier's
   transfer kernels (``vllm_blocks``, one launch per layer and request) and only the rows of
   partly loaded blocks by slot; otherwise every row by slot (torch gathers);
@@ -77,6 +80,9 @@ class WorkerSide:
         self._saves_for: KvtierConnectorMetadata | None = None
         self._load_errors: set[int] = set()
         self._finished: set[str] = set()       # finished requests vLLM told us about
+        #: Loads the step is done with whose host -> pool copy had not landed when it ended:
+        #: released at a later step (releasing now would wait on the host for the copy).
+        self._landing: list[Any] = []
         #: Saves copy inside the forward on CUDA (stream-ordered); elsewhere the saver does.
         self.copy_in_forward = copy_in_forward
         self.copier: SaveCopier | None = None
@@ -111,6 +117,7 @@ class WorkerSide:
 
     # ---- loads -----------------------------------------------------------------------------
     def start_load_kv(self, meta: KvtierConnectorMetadata) -> None:
+        self._release_landed()
         self._loads = [m for m in map(self._plan_load, meta.loads) if m is not None]
 
     def _plan_load(self, spec: LoadSpec) -> _Move | None:
@@ -159,6 +166,9 @@ class WorkerSide:
             if layer in move.layers:
                 continue
             kv = self.kv_caches[layer_name]
+            ticket = getattr(move.handle, "ticket", None)
+            if ticket is not None:      # the host -> pool copy of this layer may be in flight
+                ticket.stream_wait(layer=layer)
             if self.blocks is not None and move.plan is not None:
                 self.blocks.copy(move.plan, layer, kv, move.ids)
             if len(move.rows):
@@ -206,8 +216,22 @@ class WorkerSide:
                 handles = [handle] if handle is not None else []
                 if not saver.submit(spec.req_id, spec=spec, handles=handles):
                     self.copier.release(handles)
-        self.copier.release(list(loads.values()))
+        self._landing.extend(loads.values())
+        self._release_landed()
         self._saves, self._saves_for = [], None
+
+    def _release_landed(self) -> None:
+        """Release finished loads whose copy has landed; keep the others for a later step."""
+        if not self._landing:
+            return
+        done: list[Any] = []
+        waiting: list[Any] = []
+        for handle in self._landing:
+            landed = handle.ticket is None or handle.ticket.is_done()
+            (done if landed else waiting).append(handle)
+        self._landing = waiting
+        if done:
+            self.copier.release(done)
 
     def handle_preemptions(self, meta: KvtierConnectorMetadata) -> None:
         """vLLM frees preempted requests' blocks before this step's forward: stop reading them."""
