@@ -7,6 +7,7 @@ version is ``test_vllm_copy_gpu``)."""
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -88,6 +89,24 @@ def test_a_load_in_flight_is_waited_for_layer_by_layer_and_released_once_landed(
     copy.landed = True
     worker.start_load_kv(Step())
     assert loaded.released
+
+
+def test_a_step_waits_for_copies_of_loads_staged_for_later_steps(runtime):
+    # Pages a staged load is still copying are in kvtier's device tier already: a request
+    # served from them may run first, so its step must wait for that copy.
+    count = len(OLD) * BLOCK
+    worker, _, _ = round_trip(runtime, "flash", "flash", NUM_BLOCKS, "cpu", _prompt(count),
+                              OLD, NEW, count - 3, use_kernels=False)
+    pending, landed = HeldCopy(), HeldCopy()
+    landed.landed = True
+    runtime.staged.update(later=SimpleNamespace(ticket=pending),
+                          done=SimpleNamespace(ticket=landed), no_copy=SimpleNamespace(ticket=None))
+    try:
+        worker.start_load_kv(Step())
+    finally:
+        for key in ("later", "done", "no_copy"):
+            runtime.staged.pop(key)
+    assert pending.waited == [None] and landed.waited == []
 
 
 @pytest.mark.parametrize("kind", ["flash", "flashinfer", "cpu"])

@@ -7,8 +7,10 @@ Owns ``WorkerSide``. Runs on vLLM's model-runner thread, inside the forward:
   has synchronous loads (kvtier's always are) and after it otherwise;
 - ``wait_for_layer_load(layer)`` copies that layer's loaded rows just before its attention runs,
   so loading proceeds layer by layer with the forward (on CUDA first making the forward's stream
-  wait for that layer of the host -> staging copy the scheduler left in flight; a finished
-  load whose copy has not landed is released at a later step, never waited for on the host):
+  wait for that layer of the host -> staging copy the scheduler left in flight, and the step
+  for the whole copies of loads staged for later steps, whose pages other requests may already
+  be served from; a finished load whose copy has not landed is released at a later step,
+  never waited for on the host):
   on CUDA with flash-attention's or
   FlashInfer's layout and kvtier pages as large as vLLM's blocks, whole blocks with kvtier's
   transfer kernels (``vllm_blocks``, one launch per layer and request) and only the rows of
@@ -119,6 +121,23 @@ class WorkerSide:
     def start_load_kv(self, meta: KvtierConnectorMetadata) -> None:
         self._release_landed()
         self._loads = [m for m in map(self._plan_load, meta.loads) if m is not None]
+        self._wait_for_other_copies()
+
+    def _wait_for_other_copies(self) -> None:
+        """Order this step after every copy still in flight for loads staged but not run yet.
+
+        Staged pages enter kvtier's device tier at once, so a request staged later can be
+        served from them without a copy (and without a ticket) and run in an earlier step than
+        the request whose copy fills them: this step's stream then waits for those copies whole.
+        """
+        rt = self.runtime
+        if not rt.staged:
+            return
+        with rt.lock:
+            tickets = [getattr(loaded, "ticket", None) for loaded in rt.staged.values()]
+        for ticket in tickets:
+            if ticket is not None and not ticket.is_done():
+                ticket.stream_wait()
 
     def _plan_load(self, spec: LoadSpec) -> _Move | None:
         loaded = self.runtime.take_staged(spec.req_id)
