@@ -10,11 +10,10 @@ Owns ``WorkerSide``. Runs on vLLM's model-runner thread, inside the forward:
   wait for that layer of the host -> staging copy the scheduler left in flight, and the step
   for the whole copies of loads staged for later steps, whose pages other requests may already
   be served from; a finished load whose copy has not landed is released at a later step,
-  never waited for on the host):
-  on CUDA with flash-attention's or
-  FlashInfer's layout and kvtier pages as large as vLLM's blocks, whole blocks with kvtier's
-  transfer kernels (``vllm_blocks``, one launch per layer and request) and only the rows of
-  partly loaded blocks by slot; otherwise every row by slot (torch gathers);
+  never waited for on the host): on CUDA with flash-attention's or FlashInfer's layout and
+  kvtier pages as large as vLLM's blocks, whole blocks with kvtier's transfer kernels
+  (``vllm_blocks``, one launch per layer and request) and only the rows of partly loaded blocks
+  by slot; otherwise every row by slot (torch gathers);
 - ``wait_for_save`` hands the step's saves (prompts whose prefill completed) to the runtime's
   saver thread (``vllm_saver``), which copies their rows out of vLLM's blocks and commits them
   to the ``TieredCache`` after the step, at idle CPU priority; vLLM keeps a finished request's
@@ -134,7 +133,7 @@ class WorkerSide:
         if not rt.staged:
             return
         with rt.lock:
-            tickets = [getattr(loaded, "ticket", None) for loaded in rt.staged.values()]
+            tickets = [loaded.ticket for loaded in rt.staged.values()]
         for ticket in tickets:
             if ticket is not None and not ticket.is_done():
                 ticket.stream_wait()
@@ -185,9 +184,8 @@ class WorkerSide:
             if layer in move.layers:
                 continue
             kv = self.kv_caches[layer_name]
-            ticket = getattr(move.handle, "ticket", None)
-            if ticket is not None:      # the host -> pool copy of this layer may be in flight
-                ticket.stream_wait(layer=layer)
+            if move.handle.ticket is not None:  # this layer's host -> pool copy may be in flight
+                move.handle.ticket.stream_wait(layer=layer)
             if self.blocks is not None and move.plan is not None:
                 self.blocks.copy(move.plan, layer, kv, move.ids)
             if len(move.rows):
