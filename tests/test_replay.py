@@ -172,12 +172,13 @@ def test_lru_knowing_dead_pages_evicts_a_dead_leaf_before_an_older_live_one():
 
     # [1,2] returns at the end, [3,4] never does: plain LRU drops [1,2] (older), the oracle [3,4]
     trace = trace_of(req(0, 1, 2), req(1, 3, 4), req(2, 5, 6), req(3, 1, 2))
-    knows = DeadFirstLRU(trace)
-    result = replay(trace, ReplayConfig(4 * B, block_tokens=B), policy_factory=lambda: knows,
-                    progress=knows.advance)
-    plain = replay(trace, ReplayConfig(4 * B, block_tokens=B))
-    assert result.served_tokens["device"] == 2 * B
-    assert plain.served_tokens["device"] == 0
+    for spread in (True, False):   # it reads the pages as the replay writes them, either way
+        knows = DeadFirstLRU(trace, spread_ids=spread)
+        config = ReplayConfig(4 * B, block_tokens=B, spread_ids=spread)
+        result = replay(trace, config, policy_factory=lambda k=knows: k, progress=knows.advance)
+        plain = replay(trace, config)
+        assert result.served_tokens["device"] == 2 * B, spread
+        assert plain.served_tokens["device"] == 0
 
 
 def test_synthetic_workloads_are_deterministic_prefix_chains():

@@ -49,9 +49,11 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--write-policy", default="write_through",
                         choices=("write_through", "write_through_selective"),
                         help="Which device pages get a host (and disk) copy.")
-    parser.add_argument("--spread-ids", action="store_true",
-                        help="Page identities spread like live page keys (a bijective hash of "
-                             "the block ids): what the default policy's sample sees live.")
+    parser.add_argument("--raw-ids", action="store_true",
+                        help="Page identities as the trace's raw block ids (numbered in order "
+                             "of first appearance) instead of spread like live page keys (a "
+                             "bijective hash of the ids, the default): the default policy's "
+                             "sample then sees windows of time, not what it sees live.")
     parser.add_argument("--limit", type=int, default=None, help="Replay the first N requests.")
     parser.add_argument("--no-bound", action="store_true", help="Skip the offline bound.")
     parser.add_argument("--timing", action="store_true", help="Time every policy call.")
@@ -86,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     make_eviction_policy(args.policy)  # unknown names fail before the replay starts
     trace = load_trace(args)
     config = ReplayConfig(args.device_tokens, args.host_tokens, args.disk_tokens, args.policy,
-                          args.write_policy, args.block_tokens, spread_ids=args.spread_ids)
+                          args.write_policy, args.block_tokens, spread_ids=not args.raw_ids)
     with progress_bar(len(trace), config.label(), not args.no_progress) as bar:
         result = replay(trace, config, timed=args.timing, progress=bar.update)
     bound = None

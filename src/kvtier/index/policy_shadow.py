@@ -9,7 +9,7 @@ there) is ranked ``weight * held`` early. With weight 0 the order is exactly LRU
 
 Which weight is right depends on the workload (a head start that wins on one trace loses
 several points on another), so the policy does not guess it: a ``Duel`` of miniature caches
-(``kvtier.index.minisim``), one per weight of a fixed geometric grid with LRU first, replays
+(``kvtier.index.minisim``), one per weight of a fixed grid (LRU and one head start), replays
 a hash-sampled share of the page references beside the tier, and the tier takes the weight of
 the miniature that serves most over a recent window, but only while it beats the LRU
 miniature by more than twice the noise; otherwise the tier is LRU. The sample rate is fixed at
@@ -31,7 +31,7 @@ from kvtier.index.minisim import CLASSES, Duel, PageSampler
 from kvtier.index.shadow_runs import Run, RunHeap
 
 #: head starts tried, in cache-fulls of new content per class (LRU first).
-WEIGHTS: tuple[float, ...] = (0.0, 2.0, 8.0)
+WEIGHTS: tuple[float, ...] = (0.0, 4.0)
 TICK = 1e-9       # orders uses within one page-birth instant (far below one page)
 TOP_CLASS = CLASSES - 1
 GHOSTS = 1 << 16  # ghosts kept at most
@@ -43,7 +43,7 @@ class ShadowPolicy(EvictionPolicy):
 
     name = "shadow"
 
-    def __init__(self, weights: tuple[float, ...] = WEIGHTS, sample_pages: int = 256,
+    def __init__(self, weights: tuple[float, ...] = WEIGHTS, sample_pages: int = 128,
                  half_life: float = 8.0, z: float = 2.0, history: float = 2.0) -> None:
         if sample_pages < 16 or half_life <= 0 or z < 0 or history <= 0:
             raise ValueError("need sample_pages >= 16, half_life > 0, z >= 0, history > 0")

@@ -5,7 +5,8 @@ trace: a leaf whose first block no later request uses is evicted before any othe
 rest in LRU order). It answers "how much would knowing *whether* a page returns (but not when)
 be worth?", separating the part of the gap to the offline bound that needs a predictor of reuse
 from the part that needs a better ordering. Replay nodes hold block ids as uint32 tokens (one
-page per block), which is how it maps a node to the trace. Main thread.
+page per block, as ``TraceRequest.block_bytes`` writes them, spread or raw), which is how it
+maps a node to the trace. Main thread.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ class DeadFirstLRU(LRUPolicy):
 
     name = "dead-first-lru"
 
-    def __init__(self, trace: Trace) -> None:
+    def __init__(self, trace: Trace, spread_ids: bool = True) -> None:
         super().__init__()
-        self._last_use: dict[int, int] = {}
+        self._last_use: dict[bytes, int] = {}   # a page's identity -> its last request
         for i, request in enumerate(trace.requests):
-            for block in request.blocks:
-                self._last_use[block] = i
+            data = request.block_bytes(spread_ids)
+            for at in range(0, len(data), 4):
+                self._last_use[data[at:at + 4]] = i
         self.now = 0  # index of the request being served
         self._by_last: list[tuple[int, int, Node]] = []
         self._seq = itertools.count()
@@ -38,7 +40,7 @@ class DeadFirstLRU(LRUPolicy):
 
     def _last(self, node: Node) -> int:
         tokens = getattr(node, "tokens", b"")
-        return self._last_use.get(int.from_bytes(tokens[:4], "little"), -1) if tokens else -1
+        return self._last_use.get(tokens[:4], -1) if tokens else -1
 
     def add(self, node: Node, pages: int) -> None:
         super().add(node, pages)

@@ -65,8 +65,9 @@ class ReplayConfig:
     write_policy: str = "write_through"
     block_tokens: int = 512
     hint_share: float = 0.25
-    #: Page identities spread like live page keys (``TraceRequest.block_bytes(spread=True)``).
-    spread_ids: bool = False
+    #: Page identities spread like live page keys (``TraceRequest.block_bytes(spread=True)``),
+    #: as the live cache's content-hash keys are; False replays the trace's raw block ids.
+    spread_ids: bool = True
 
     def __post_init__(self) -> None:
         if self.device_tokens < self.block_tokens:
