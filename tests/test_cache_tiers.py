@@ -176,6 +176,20 @@ def test_write_through_selective_copies_on_the_second_hit() -> None:
         cache.check_integrity()
 
 
+def test_write_through_selective_copies_a_continuation_whole() -> None:
+    """The next turn of a conversation reads its earlier turn again: that turn and the new
+    pages after it are what the turn after will read, so all of it is copied down (the load
+    and the commit of one request count its pages as seen once, not twice)."""
+    with make_cache(write_policy="write_through_selective") as cache:
+        first = prompt(4, seed=17)
+        serve(cache, first)
+        assert cache.stats()["tiers"]["host"]["pages"] == 0
+        serve(cache, first + prompt(2, seed=18))
+        cache.drain()
+        assert cache.stats()["tiers"]["host"]["pages"] == 6
+        cache.check_integrity()
+
+
 def test_recomputed_head_loads_only_the_tail_into_private_pages() -> None:
     disk = disk_store()
     with make_cache(stores={"disk": disk}) as cache:

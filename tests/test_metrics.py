@@ -103,6 +103,21 @@ def test_kv_event_counters_appear_only_when_events_are_on() -> None:
     assert samples(text, "kvtier_kv_event_batches_total") == {(): 3}
 
 
+def test_selective_writes_report_their_measured_return_rate() -> None:
+    with make_cache(write_policy="write_through_selective") as cache:
+        serve(cache, prompt(4, seed=2))
+        snap = {"cache": cache.stats()}
+    assert snap["cache"]["write_selection"]["probes_total"] == 1
+    text = render_metrics(snap).decode()
+    assert samples(text, "kvtier_write_selective_fresh_return_rate") == {(): -1.0}  # no evidence
+    snap["cache"]["write_selection"].update(fresh_return_rate=0.75, fresh_admitted_pages=12)
+    text = render_metrics(snap).decode()
+    assert samples(text, "kvtier_write_selective_fresh_return_rate") == {(): 0.75}
+    assert samples(text, "kvtier_write_selective_fresh_pages_total") == {(): 12.0}
+    assert "kvtier_write_selective_fresh_return_rate" not in families(
+        render_metrics(cache_snapshot()).decode())          # write-through: no such series
+
+
 def test_histogram_buckets_are_cumulative_and_end_at_the_count() -> None:
     text = render_metrics(cache_snapshot()).decode()
     buckets = samples(text, "kvtier_time_to_first_token_seconds_bucket")

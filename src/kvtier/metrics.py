@@ -277,6 +277,16 @@ def _memory(cache: Mapping[str, Any]) -> Iterator[Metric]:
                  "and the bound.", [(("used",), admission.get("used_pages", 0)),
                                     (("capacity",), admission.get("capacity_pages", 0))],
                  ("state",))
+    selection = cache.get("write_selection") or {}
+    if selection:
+        rate = selection.get("fresh_return_rate")
+        yield _gauge("kvtier_write_selective_fresh_return_rate", "write_through_selective: the "
+                     "decayed share of probed fresh pages a later request read again (fresh "
+                     "pages are copied down while it is at least 1/2; -1 until enough probes "
+                     "are resolved).", [((), rate if _number(rate) else -1)])
+        yield _counter("kvtier_write_selective_fresh_pages_total", "Fresh pages "
+                       "write_through_selective copied down because they were returning.",
+                       [((), selection.get("fresh_admitted_pages", 0))])
     copy = cache.get("copy") or {}
     yield _counter("kvtier_copy_bytes_total", "Bytes copied between device and host pools.",
                    [((d,), copy.get(f"{d}_bytes", 0)) for d in ("load", "store")], ("direction",))

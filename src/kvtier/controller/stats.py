@@ -67,6 +67,9 @@ def cache_stats(ctx: CacheContext, controller: CacheController,
         out["workers"] = ctx.workers.stats()
     if ctx.admission is not None:
         out["write_admission"] = ctx.admission.stats()
+    selection = controller.writer.admission.stats()
+    if selection:
+        out["write_selection"] = selection
     if ctx.copy is not None:
         out["copy"] = ctx.copy.stats()
     if pinned_budget is not None:

@@ -4,8 +4,9 @@ Owns ``HostWriter``. Policies (``controller.write_policy``):
 
 - ``write_through``: every committed page gets a host copy at commit;
 - ``write_through_selective``: a page gets one when it is likely to come back
-  (``AdmitReturning``: pages seen before, and the whole of a request that continues an
-  earlier one), checked at commit and at every load;
+  (``AdmitReturning``: pages seen before, the whole of a request that continues an earlier
+  one, and fresh pages while probes show that most of them return), checked at commit (which
+  records the request's pages as seen) and at every load (which only asks);
 - ``write_back``: a page gets one when the device evicts it (the index's ``on_evict`` hook; the
   copy is waited for, since the device page is freed right after).
 
@@ -28,7 +29,8 @@ from typing import TYPE_CHECKING
 from kvtier.controller.backups import Backups
 from kvtier.controller.context import CacheContext, path_of, split_keys
 from kvtier.errors import PoolExhausted
-from kvtier.index.eviction import AdmissionPolicy, AdmitAll, AdmitReturning
+from kvtier.index.admit_returning import AdmitReturning
+from kvtier.index.eviction import AdmissionPolicy, AdmitAll
 from kvtier.index.match import IndexMatch
 from kvtier.index.residency import TIER_INDEX, Node
 
@@ -79,14 +81,14 @@ class HostWriter:
         """A prefix was used again: the selective policy may now admit it."""
         if self.policy == "write_through_selective" and self.ctx.has_host:
             match = self._walk(data, salt, match)
-            self.copy(data, salt, keys, self._admitted_depth(match), match=match)
+            self.copy(data, salt, keys, self._admitted_depth(match, observe=False), match=match)
 
     def _walk(self, data: bytes, salt: bytes, match: IndexMatch | None) -> IndexMatch:
         index = self.ctx.index
         return index.match(data, salt) if match is None else index.current(match)
 
-    def _admitted_depth(self, match: IndexMatch) -> int:
-        return self.admission.admitted_pages(match.path, match.depth_of("device"))
+    def _admitted_depth(self, match: IndexMatch, observe: bool = True) -> int:
+        return self.admission.admitted_pages(match.path, match.depth_of("device"), observe)
 
     def on_evict(self, node: Node, tier: str) -> None:
         """Index hook: under write-back, copy a device victim (and its path) to host first."""

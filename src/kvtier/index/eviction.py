@@ -19,7 +19,6 @@ import heapq
 import importlib
 import itertools
 from abc import ABC, abstractmethod
-from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 
 from kvtier.keys import KEY_BYTES
@@ -179,16 +178,22 @@ class AdmissionPolicy(ABC):
     def admit(self, node: Node, hits: int) -> bool:
         """True to copy ``node`` down; ``hits`` is how often the node has been used."""
 
-    def admitted_pages(self, path: Sequence[tuple[Node, int]], limit: int) -> int:
+    def admitted_pages(self, path: Sequence[tuple[Node, int]], limit: int,
+                       observe: bool = True) -> int:
         """Pages from the root of one request's matched ``path`` ((node, pages used) pairs) to
         copy down, at most ``limit``: up to the first node ``admit`` refuses (a lower tier
-        holds a prefix contiguous from the root). Called once per request."""
+        holds a prefix contiguous from the root). ``observe``: this call is the request's one
+        sighting (its commit); False asks without recording (its load, before the commit)."""
         pos = 0
         for node, used in path:
             if pos + used > limit or not self.admit(node, getattr(node, "hits", 1)):
                 break
             pos += used
         return min(pos, limit)
+
+    def stats(self) -> dict[str, object]:
+        """What the policy measured (empty for policies that measure nothing)."""
+        return {}
 
 
 class AdmitAll(AdmissionPolicy):
@@ -224,55 +229,6 @@ def page_layout(node: Node) -> tuple[bytes, int]:
     if not tokens:
         return b"", 0
     return tokens, len(tokens) // pages
-
-
-class AdmitReturning(AdmissionPolicy):
-    """Copy down what is likely to come back (``write_through_selective``).
-
-    A page cannot be known to return before it does, but two kinds of request show it:
-
-    - pages a request shares with earlier requests came back once already (a shared system
-      prompt, a document, a conversation's history), so the matched prefix of pages seen
-      before is admitted, seen across evictions (a page the device dropped and the request
-      recomputed still counts as seen);
-    - a request whose seen prefix ends in pages seen exactly once before continues one earlier
-      request (the next turn of a conversation, the next step of an agent): the whole request,
-      its new pages too, is what that chain's next request will read, so all of it is admitted.
-
-    Pages seen by one request only (a first turn, a one-off document) are not copied down. The
-    memory of seen pages is bounded (``memory`` page identities, oldest dropped first; size it
-    to the lower tiers' capacity, beyond which a page could not have been served anyway).
-    """
-
-    name = "returning"
-
-    def __init__(self, memory: int = 1 << 18) -> None:
-        if memory < 1:
-            raise ValueError(f"memory must be >= 1 page, got {memory}")
-        self.memory = memory
-        self._seen: OrderedDict[bytes, int] = OrderedDict()
-
-    def admit(self, node: Node, hits: int) -> bool:
-        buffer, step = page_layout(node)
-        return hits >= 2 or (step > 0 and buffer[:step] in self._seen)
-
-    def admitted_pages(self, path: Sequence[tuple[Node, int]], limit: int) -> int:
-        seen = self._seen
-        pos = returning = 0
-        private = False
-        for node, used in path:
-            buffer, step = page_layout(node)
-            for i in range(used if step else 0):
-                key = buffer[i * step:(i + 1) * step]
-                count = seen.pop(key, 0)
-                if count and returning == pos:
-                    returning += 1
-                    private = count == 1
-                seen[key] = count + 1
-                pos += 1
-        while len(seen) > self.memory:
-            seen.popitem(last=False)
-        return min(limit, pos if private and returning else returning)
 
 
 #: Every eviction policy by name -> "module:Class", imported when first made (the one list:

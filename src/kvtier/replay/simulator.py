@@ -16,7 +16,8 @@ order; for each one:
    cache would);
 5. commit: the write policy copies device pages to the host (``write_through``: all of them;
    ``write_through_selective``: what ``AdmitReturning`` expects to come back — pages seen
-   before, and the whole of a request that continues an earlier one) and the host backs its
+   before, the whole of a request that continues an earlier one, fresh pages while most of
+   those probed return) and the host backs its
    new pages up to the disk.
 
 The request's path is locked on a tier while that tier allocates, so a request never evicts its
@@ -34,13 +35,8 @@ from typing import Any
 
 from kvtier.controller.hints import HintBook
 from kvtier.errors import ConfigError
-from kvtier.index.eviction import (
-    AdmissionPolicy,
-    AdmitAll,
-    AdmitReturning,
-    EvictionPolicy,
-    make_eviction_policy,
-)
+from kvtier.index.admit_returning import AdmitReturning
+from kvtier.index.eviction import AdmissionPolicy, AdmitAll, EvictionPolicy, make_eviction_policy
 from kvtier.index.radix import RadixIndex
 from kvtier.index.residency import Node
 from kvtier.replay.timing import TimedPolicy, proxy_cost_ns
