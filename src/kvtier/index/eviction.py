@@ -205,15 +205,6 @@ class AdmitAll(AdmissionPolicy):
         return True
 
 
-class AdmitOnSecondHit(AdmissionPolicy):
-    """Copy a page down once its node has been used twice."""
-
-    name = "second_hit"
-
-    def admit(self, node: Node, hits: int) -> bool:
-        return hits >= 2
-
-
 def page_layout(node: Node) -> tuple[bytes, int]:
     """The bytes that name ``node``'s pages and how many bytes name one: its page keys when it
     has them, else its token bytes (``b"", 0`` for opaque nodes)."""
