@@ -18,6 +18,9 @@ to it) and prefix length, side by side in one run:
 - ``connector, wide load``: the same with the load's per-layer launches on the kernels'
   default grid (one program per multiprocessor) rather than the small grid of layer-by-layer
   loads, which leaves the SMs to the forward they overlap;
+- ``connector, copy engines``: the same with the load through the GPU's copy engines
+  (``host.copy_path: copy_engine``: each page's layer as one copy-engine copy into a device
+  staging buffer, then scattered into the pool device to device), no multiprocessor on the bus;
 - ``connector, N/SM``: the same with the worker's copies on N programs per multiprocessor
   (the worker runs ``vllm_blocks.DEVICE_PROGRAMS_PER_SM``);
 - ``connector, torch rows``: the same with the worker's copy done by torch indexing by slot
@@ -120,6 +123,9 @@ class Setup:
         #: The same with the load's launches on the kernels' default grid instead of the
         #: layer-by-layer loads' small one (``copy_engine.LAYERWISE_LOAD_PROGRAMS``).
         self.wide_engine = CopyEngine(self.device_pool, self.host, load_config=KernelConfig())
+        #: The same load through the GPU's copy engines (``host.copy_path: copy_engine``): whole
+        #: page-and-layer ranges into a device staging buffer, scattered device to device.
+        self.ce_engine = CopyEngine(self.device_pool, self.host, path="copy_engine")
         self.nbytes = self.pages * self.layout.page_bytes
         #: The baseline's source: the same byte count in torch's own pinned memory.
         self.pinned = torch.empty(args.layers, self.nbytes // args.layers, dtype=torch.uint8,
@@ -205,6 +211,7 @@ def paths(setup: Setup, kind: str, kv: list[torch.Tensor]) -> dict[str, Callable
             **{name: through_pool(copier) for name, copier in grids.items()},
             "connector, serial": serial(from_pool),
             "connector, wide load": through_pool(from_pool, setup.wide_engine),
+            "connector, copy engines": through_pool(from_pool, setup.ce_engine),
             "connector, torch rows": torch_rows, "direct": direct}
 
 

@@ -36,7 +36,7 @@ from kvtier.controller.handles import Hit, Loaded
 from kvtier.controller.ranks import Collective
 from kvtier.controller.split import RateBook
 from kvtier.controller.wiring import bind_host_pool, open_stores
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, LayoutMismatch
 from kvtier.index.radix import RadixIndex
 from kvtier.keys import KeyNamespace, Tokens
 from kvtier.layout import KVLayout
@@ -69,7 +69,7 @@ class TieredCache:
     def build(cls, config: KvtierConfig, layout: KVLayout, namespace: KeyNamespace, *,
               device: str = "cpu", collective: Collective | None = None,
               stores: dict[str, PageStore] | None = None, heads: tuple[int, int] | None = None,
-              heads_per_record: int = 1) -> TieredCache:
+              heads_per_record: int = 1, device_pool: DevicePool | None = None) -> TieredCache:
         """Pools, stores, workers, index and controller from ``config``.
 
         ``heads`` (a tensor-parallel rank's KV heads of ``layout``, the full model's layout)
@@ -81,8 +81,10 @@ class TieredCache:
         ``stores`` (tier -> store) replaces the stores the config names (tests wrap stores in
         latency or fault injectors this way). Store tiers without a host pool, and a host pool
         smaller than one page, are refused (``ConfigError`` naming the settings).
-        ``cache.device_pages`` 0 sizes the device pool from free memory
-        (``cache.device_memory_fraction``; on the CPU at most 1 GiB).
+        ``device_pool`` (pages in memory the caller allocated, ``DevicePool.over``) replaces
+        the pool ``cache.device_pages`` would make. ``cache.device_pages`` 0 sizes the
+        device pool from free memory (``cache.device_memory_fraction``; on the CPU at most
+        1 GiB).
         """
         from kvtier.memory import HostPool, PinnedBudget
         from kvtier.memory.device_pool import DevicePool
@@ -92,7 +94,10 @@ class TieredCache:
         if heads is not None:
             layout = model_layout.for_heads(heads)
         _check_host_tier(config, layout, stores)
-        device_pool = DevicePool.from_config(config.cache, layout, device)
+        if device_pool is None:
+            device_pool = DevicePool.from_config(config.cache, layout, device)
+        elif device_pool.layout != layout:
+            raise LayoutMismatch(f"a device pool of {device_pool.layout} for layout {layout}")
         budget = PinnedBudget(config.host.pinned_budget_bytes)
         host_pool = None
         if config.host.pool_bytes:

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
-# vLLM's CPU platform turns a single worker into a separate process unless this is 0; the
-# connector's two halves must share the engine-core process (``vllm_runtime``).
+# The engine core (and so the connector's scheduler half and its counters) runs in the process
+# that builds the engine; a single CPU worker then runs there too (``vllm_runtime``).
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/redis_server.py

@@ -25,6 +25,10 @@ from typing import Any
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+# The embedding counter is sent to the worker processes as a function (``embed_counter``).
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+
+import embed_counter  # beside this script; run_scenario also puts it on the workers' path
 
 
 def _llm(spec: dict[str, Any]) -> Any:
@@ -45,23 +49,21 @@ def _llm(spec: dict[str, Any]) -> Any:
                block_size=spec.get("block_size", 128),
                enable_prefix_caching=spec.get("prefix_caching", True),
                kv_cache_memory_bytes=spec.get("kv_cache_memory_bytes", 256 << 20),
+               tensor_parallel_size=spec.get("tensor_parallel_size", 1),
                disable_log_stats=False)
 
 
 class _Counter:
-    """Counts the tokens the model's embedding sees (what vLLM really computed)."""
+    """Counts the tokens the model's embedding sees (what vLLM really computed), in the process
+    that runs the model: rank 0's count when vLLM's workers run in processes of their own."""
 
-    def __init__(self) -> None:
-        self.tokens = 0
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+        llm.apply_model(embed_counter.install)
 
-    def hook(self, module: Any, args: Any, output: Any) -> None:
-        self.tokens += int(args[0].numel())
-
-
-def _install_counter(llm: Any, counter: _Counter) -> None:
-    def install(model: Any) -> None:
-        model.model.embed_tokens.register_forward_hook(counter.hook)
-    llm.apply_model(install)
+    @property
+    def tokens(self) -> int:
+        return int(self.llm.apply_model(embed_counter.read)[0])
 
 
 def _connector_stats() -> dict[str, Any]:
@@ -158,8 +160,7 @@ def main(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     started = time.perf_counter()
     llm = _llm(spec)
-    counter = _Counter()
-    _install_counter(llm, counter)
+    counter = _Counter(llm)
     out: dict[str, Any] = {"load_seconds": time.perf_counter() - started, "steps": []}
     out["actions"] = []
     for step in spec["steps"]:

@@ -21,7 +21,7 @@ _ids = itertools.count()
 
 
 def make_vllm_config(model: Path, extra: dict[str, Any], *, block_size: int = 32,
-                     max_batched: int = 1024, policy: str = "fail") -> Any:
+                     max_batched: int = 1024, policy: str = "fail", tp: int = 1) -> Any:
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -40,16 +40,18 @@ def make_vllm_config(model: Path, extra: dict[str, Any], *, block_size: int = 32
                                          is_encoder_decoder=False),
         cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
         device_config=DeviceConfig("cpu"),
-        parallel_config=ParallelConfig(distributed_executor_backend="uni"),
+        parallel_config=ParallelConfig(distributed_executor_backend="uni" if tp == 1 else "mp",
+                                       tensor_parallel_size=tp),
         kv_transfer_config=KVTransferConfig(
             kv_connector="KvtierConnector", kv_connector_module_path="kvtier.integrations.vllm",
             kv_role="kv_both", kv_connector_extra_config=extra, kv_load_failure_policy=policy))
 
 
-def make_kv_cache_config(block_size: int, num_blocks: int = 256, spec: Any = None) -> Any:
+def make_kv_cache_config(block_size: int, num_blocks: int = 256, spec: Any = None,
+                         kv_heads: int = KV_HEADS) -> Any:
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-    spec = spec or FullAttentionSpec(block_size=block_size, num_kv_heads=KV_HEADS,
+    spec = spec or FullAttentionSpec(block_size=block_size, num_kv_heads=kv_heads,
                                      head_size=HEAD_DIM, dtype=torch.float32)
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                          kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)])
@@ -81,7 +83,7 @@ def make_request(tokens: list[int], block_size: int, salt: str | None = None,
 
 
 def runner_output(scheduler_output: Any, invalid_block_ids: set[int] | None = None,
-                  finished_sending: set[str] | None = None) -> Any:
+                  finished_sending: set[str] | None = None, worker_meta: Any = None) -> Any:
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
     req_ids = list(scheduler_output.num_scheduled_tokens)
@@ -89,7 +91,8 @@ def runner_output(scheduler_output: Any, invalid_block_ids: set[int] | None = No
         req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
         sampled_token_ids=[[7] for _ in req_ids],
         kv_connector_output=KVConnectorOutput(invalid_block_ids=invalid_block_ids or set(),
-                                              finished_sending=finished_sending))
+                                              finished_sending=finished_sending,
+                                              kv_connector_worker_meta=worker_meta))
 
 
 def fill_kvtier(runtime: Any, tokens: list[int], salt: str | None = None, seed: int = 0) -> None:

@@ -46,14 +46,28 @@ def prompts(count: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(length)] for _ in range(count)]
 
 
+def cpu_binding(ranks: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` CPU workers: this process's cores split into
+    that many consecutive groups (vLLM's CPU backend refuses to guess without NUMA nodes)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < ranks:
+        raise RuntimeError(f"{ranks} CPU ranks need {ranks} cores; this process has {len(cores)}")
+    share = len(cores) // ranks
+    return "|".join(",".join(map(str, cores[i * share:(i + 1) * share])) for i in range(ranks))
+
+
 def run_scenario(spec: dict[str, Any], workdir: Path, timeout_s: float = 900) -> dict[str, Any]:
-    """Run one vLLM engine process on ``spec``; raise with its output tail if it fails."""
+    """Run one vLLM engine process on ``spec`` (``spec["env"]``: variables set for it); raise
+    with its output tail if it fails."""
     workdir.mkdir(parents=True, exist_ok=True)
     index = len(list(workdir.glob("spec-*.json")))
     spec_path, out_path = workdir / f"spec-{index}.json", workdir / f"out-{index}.json"
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
-    env["PYTHONPATH"] = str(ROOT / "src")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(SCENARIO.parent)])
+    if spec.get("tensor_parallel_size", 1) > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(spec["tensor_parallel_size"])
+    env.update(spec.get("env", {}))
     run = subprocess.run([sys.executable, str(SCENARIO), str(spec_path), str(out_path)],
                          capture_output=True, text=True, timeout=timeout_s, env=env,
                          stdin=subprocess.DEVNULL)

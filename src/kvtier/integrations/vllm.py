@@ -9,7 +9,8 @@ Load it with (see README, "vLLM")::
 vLLM builds one instance per role with ``(vllm_config, role, kv_cache_config)``. Both share one
 ``ConnectorRuntime`` (``vllm_runtime``: the ``TieredCache``, checks of the model and the
 parallel setup, refusals at start); the scheduler role delegates to ``SchedulerSide``
-(``vllm_scheduler``), the worker role to ``WorkerSide`` (``vllm_worker``). Options:
+(``vllm_scheduler``), the worker role to ``WorkerSide`` (``vllm_worker``), or, for a worker
+in a process of its own (a TP rank), to ``RankWorker`` (``vllm_rank_worker``). Options:
 ``vllm_options``; KV tensor layouts: ``vllm_layout``; events: ``vllm_events``. Each method runs
 on the thread vLLM calls it from (scheduling loop or model runner).
 """
@@ -24,10 +25,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 from kvtier.integrations.vllm_options import parse_connector_config
-from kvtier.integrations.vllm_runtime import ConnectorRuntime, runtime_for
+from kvtier.integrations.vllm_rank_worker import RankWorker
+from kvtier.integrations.vllm_runtime import RankRuntime, runtime_for
 from kvtier.integrations.vllm_scheduler import KvtierConnectorMetadata, SchedulerSide
 from kvtier.integrations.vllm_worker import WorkerSide
 
@@ -42,16 +45,27 @@ class KvtierConnector(KVConnectorBase_V1):
         block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
         options = parse_connector_config(
             self._kv_transfer_config.kv_connector_extra_config, block_size)
-        self.runtime: ConnectorRuntime = runtime_for(vllm_config, kv_cache_config, options)
-        self.scheduler = SchedulerSide(self.runtime) if role == KVConnectorRole.SCHEDULER else None
-        on_cuda = vllm_config.device_config.device_type == "cuda"
-        self.worker = (WorkerSide(self.runtime, copy_in_forward=on_cuda)
-                       if role == KVConnectorRole.WORKER else None)
+        scheduler = role == KVConnectorRole.SCHEDULER
+        self.runtime: Any = runtime_for(vllm_config, kv_cache_config, options, scheduler)
+        self.scheduler = SchedulerSide(self.runtime) if scheduler else None
+        self.worker: Any = None
+        if role == KVConnectorRole.WORKER and isinstance(self.runtime, RankRuntime):
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self.worker = RankWorker(self.runtime, get_tensor_model_parallel_rank())
+        elif role == KVConnectorRole.WORKER:
+            on_cuda = vllm_config.device_config.device_type == "cuda"
+            self.worker = WorkerSide(self.runtime, copy_in_forward=on_cuda)
 
     # ---- worker side -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         backend, write_op = _attention_backend(self._vllm_config, self.runtime)
         self.worker.register_kv_caches(kv_caches, backend, write_op)
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if isinstance(self.worker, RankWorker):
+            return self.worker.build_worker_meta()
+        return None
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -73,7 +87,8 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(kv_connector_metadata, KvtierConnectorMetadata)
-        self.worker.handle_preemptions(kv_connector_metadata)
+        if isinstance(self.worker, WorkerSide):   # a rank's copies end inside their step
+            self.worker.handle_preemptions(kv_connector_metadata)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self.worker.get_finished(finished_req_ids), None   # loads finish inside the step
@@ -82,6 +97,8 @@ class KvtierConnector(KVConnectorBase_V1):
         return self.worker.get_block_ids_with_load_errors()
 
     def shutdown(self) -> None:
+        if self.scheduler is not None and self.scheduler.ranked is not None:
+            self.scheduler.ranked.close()
         self.runtime.close()
 
     # ---- scheduler side --------------------------------------------------------------------
@@ -98,6 +115,9 @@ class KvtierConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return self.scheduler.build_connector_meta(scheduler_output)
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        self.scheduler.update_connector_output(connector_output)
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         return self.scheduler.request_finished(request, block_ids)
 
@@ -105,7 +125,7 @@ class KvtierConnector(KVConnectorBase_V1):
         return self.runtime.events.take()
 
 
-def _attention_backend(vllm_config: Any, runtime: ConnectorRuntime) -> tuple[str, Any]:
+def _attention_backend(vllm_config: Any, runtime: Any) -> tuple[str, Any]:
     """The attention backend's name, and on the CPU vLLM's cache-write op (to prove the layout)."""
     layers = vllm_config.compilation_config.static_forward_context
     layer = layers.get(runtime.shape.layer_names[0])

@@ -93,6 +93,23 @@ def block_layout(backend: str, kv: torch.Tensor, kv_heads: int, head_dim: int) -
                       "[2, blocks, block, heads, dim] or FLASHINFER [blocks, 2, block, heads, dim]")
 
 
+def registered_layout(kv_caches: dict[str, torch.Tensor], layer_names: tuple[str, ...],
+                      backend: str, kv_heads: int, head_dim: int,
+                      cpu_write_op: Callable[..., None] | None = None) -> BlockLayout:
+    """The layout of the KV tensors vLLM registered for ``layer_names`` (every one must be
+    there), the CPU layout proven with vLLM's cache-write op when one is given."""
+    from kvtier.errors import KvtierError
+
+    missing = sorted(set(layer_names) - set(kv_caches))
+    if missing:
+        raise KvtierError(f"vLLM registered no KV cache for layers {missing}")
+    first = kv_caches[layer_names[0]]
+    layout = block_layout(backend, first, kv_heads, head_dim)
+    if layout.kind == "cpu" and cpu_write_op is not None:
+        check_cpu_layout(layout, first.dtype, cpu_write_op)
+    return layout
+
+
 def check_cpu_layout(layout: BlockLayout, dtype: torch.dtype,
                      write_op: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                          torch.Tensor], None]) -> None:

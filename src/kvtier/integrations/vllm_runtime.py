@@ -1,14 +1,23 @@
-"""The one ``TieredCache`` an engine's two connector halves share, and what it is built from.
+"""The one ``TieredCache`` an engine's connector halves share, and what it is built from.
 
 Owns ``ModelShape`` (what vLLM's KV cache config says about the model, checked: one group of
 full-attention layers is served; other attention KV is refused hits and stores with a logged
 reason, ``ModelShape.refused``), ``ConnectorRuntime`` (the cache, its lock, the hits
-staged for requests waiting to be scheduled, counters) and ``runtime_for()``, a per-process
-registry keyed by vLLM's engine id. vLLM builds the scheduler half and the worker half of a
-connector separately; with one worker (``distributed_executor_backend="uni"``, vLLM's choice
-for a single rank) both live in the engine-core process, so they find the same runtime here.
-Several ranks would each need their own view of the host tier, which this runtime does not
-give: they are refused at start naming the setting.
+staged for requests waiting to be scheduled, counters), ``RankRuntime`` (what a worker in a
+process of its own holds) and ``runtime_for()``, a per-process registry keyed by vLLM's engine
+id. vLLM builds the scheduler half and the worker half of a connector separately:
+
+- with one worker in the engine-core process (``distributed_executor_backend="uni"``, vLLM's
+  choice for a single GPU) both find the same runtime here, and the worker copies straight
+  from the cache's device pool (on CUDA overlapping the forward);
+- with workers in processes of their own (``"mp"``: tensor parallelism, or vLLM's CPU backend
+  with multiprocessing on) the engine-core process holds the cache, whose staging pool lives in
+  shared memory (``vllm_shared_pool``), and each worker holds a ``RankRuntime`` and copies its
+  KV heads' slice of the staged pages (``vllm_ranks``). Pages keep every head of the model in
+  kvtier's canonical order in both cases, so any TP size reads what any other wrote.
+
+Pipeline and decode-context parallelism, Ray and multi-node executors are refused at start
+naming the setting.
 
 Every method takes the lock: vLLM calls the scheduler half from its scheduling loop and the
 worker half from the model runner, which may be another thread under async scheduling, and the
@@ -31,6 +40,7 @@ from kvtier.errors import ConfigError
 from kvtier.integrations.vllm_events import EventLog
 from kvtier.integrations.vllm_options import VllmConnectorOptions
 from kvtier.integrations.vllm_saver import Saver
+from kvtier.integrations.vllm_shared_pool import SharedPool
 from kvtier.keys import KeyNamespace
 from kvtier.layout import KVLayout
 
@@ -46,12 +56,28 @@ class ModelShape:
 
     model: str
     layer_names: tuple[str, ...]
-    kv_heads: int
+    kv_heads: int                  # the model's KV heads (a kvtier page holds all of them)
     head_dim: int
     dtype: str
     block_size: int
     #: Why kvtier neither serves nor stores this model's KV ("": it does); see ``model_shape``.
     refused: str = ""
+    #: KV heads in one rank's KV tensors (``kv_heads`` unless tensor parallel) and the TP size.
+    rank_kv_heads: int = 0
+    tp_size: int = 1
+
+    def rank_heads(self, rank: int) -> tuple[int, int]:
+        """The model's KV heads ``[first, end)`` that TP rank ``rank`` keeps (vLLM's split:
+        consecutive equal shares, or each head replicated on ``tp_size // kv_heads`` ranks)."""
+        local = self.rank_kv_heads or self.kv_heads
+        if self.tp_size <= self.kv_heads:
+            return rank * local, (rank + 1) * local
+        first = rank // (self.tp_size // self.kv_heads)
+        return first, first + local
+
+    def writes_heads(self, rank: int) -> bool:
+        """Whether ``rank`` writes its heads into a save: the first of the ranks holding them."""
+        return self.tp_size <= self.kv_heads or rank % (self.tp_size // self.kv_heads) == 0
 
     def layout(self, page_size: int) -> KVLayout:
         return KVLayout(len(self.layer_names), self.kv_heads, self.head_dim, self.dtype, page_size)
@@ -72,9 +98,12 @@ def model_shape(vllm_config: Any, kv_cache_config: Any) -> ModelShape:
     from vllm.v1.kv_cache_interface import AttentionSpec
 
     parallel = vllm_config.parallel_config
-    if parallel.world_size != 1:
-        raise ConfigError("tensor_parallel_size x pipeline_parallel_size", parallel.world_size,
-                          "1 (kvtier's vLLM connector serves a single-rank engine)")
+    if parallel.pipeline_parallel_size != 1:
+        raise ConfigError("pipeline_parallel_size", parallel.pipeline_parallel_size,
+                          "1 (kvtier's vLLM connector serves tensor parallelism only)")
+    if getattr(parallel, "decode_context_parallel_size", 1) != 1:
+        raise ConfigError("decode_context_parallel_size", parallel.decode_context_parallel_size,
+                          "1 (kvtier pages hold every token of a page on one rank)")
     groups = [g for g in kv_cache_config.kv_cache_groups if g.enable_kv_transfer]
     specs = [g.kv_cache_spec for g in groups]
     if not specs or not all(isinstance(s, AttentionSpec) for s in specs):
@@ -83,10 +112,17 @@ def model_shape(vllm_config: Any, kv_cache_config: Any) -> ModelShape:
     spec = specs[0]
     if spec.head_size_v != spec.head_size:
         raise ConfigError("head_size_v", spec.head_size_v, f"equal to head_size {spec.head_size}")
+    tp_size = parallel.tensor_parallel_size
+    total_heads = vllm_config.model_config.get_total_num_kv_heads()
+    if spec.num_kv_heads != max(1, total_heads // tp_size):
+        raise ConfigError("KV heads per rank", spec.num_kv_heads,
+                          f"{max(1, total_heads // tp_size)} ({total_heads} heads over "
+                          f"tensor_parallel_size {tp_size})")
     return ModelShape(model=str(vllm_config.model_config.model),
-                      layer_names=tuple(groups[0].layer_names), kv_heads=spec.num_kv_heads,
+                      layer_names=tuple(groups[0].layer_names), kv_heads=total_heads,
                       head_dim=spec.head_size, dtype=str(spec.dtype).removeprefix("torch."),
-                      block_size=spec.block_size, refused=_why_not_restorable(specs))
+                      block_size=spec.block_size, refused=_why_not_restorable(specs),
+                      rank_kv_heads=spec.num_kv_heads, tp_size=tp_size)
 
 
 def _why_not_restorable(specs: list[Any]) -> str:
@@ -121,12 +157,14 @@ class ConnectorRuntime:
     """The shared cache and the per-request state both halves of the connector read."""
 
     def __init__(self, options: VllmConnectorOptions, shape: ModelShape, cache: Any,
-                 namespace: KeyNamespace, saver: Saver) -> None:
+                 namespace: KeyNamespace, saver: Saver, shared: SharedPool | None = None) -> None:
         self.options = options
         self.shape = shape
         self.cache = cache
         self.saver = saver
         self.namespace = namespace
+        #: The staging pool in shared memory when the workers run in processes of their own.
+        self.shared = shared
         self.lock = threading.RLock()
         self.staged: dict[str, Any] = {}      # request id -> kvtier Loaded, until its load ran
         self.counts: Counter[str] = Counter()
@@ -136,6 +174,11 @@ class ConnectorRuntime:
     @property
     def page_size(self) -> int:
         return self.cache.page_size
+
+    @property
+    def ranked(self) -> bool:
+        """The workers run in processes of their own (``vllm_ranks``)."""
+        return self.shared is not None
 
     def take_staged(self, req_id: str) -> Any:
         with self.lock:
@@ -178,55 +221,103 @@ class ConnectorRuntime:
             if not self.cache.drain(timeout_s):
                 log.warning("kvtier: store writes still in flight after %.1f s at close", timeout_s)
             self.cache.close()
+        if self.shared is not None:
+            self.shared.close()
+
+
+class RankRuntime:
+    """What a worker in a process of its own holds: the model's shape, the options, counters.
+    The cache, its stores and the staging pool's owner are in the engine-core process."""
+
+    def __init__(self, options: VllmConnectorOptions, shape: ModelShape) -> None:
+        self.options = options
+        self.shape = shape
+        self.page_size = options.config.cache.page_size
+        self.counts: Counter[str] = Counter()
+
+    def stats(self) -> dict[str, Any]:
+        return {"connector": dict(self.counts)}
+
+    def close(self) -> None:
+        """Nothing to close: the pool's mapping goes with the worker's tensors."""
 
 
 _RUNTIMES: dict[str, ConnectorRuntime] = {}
 _REGISTRY_LOCK = threading.Lock()
 
 
-def runtime_for(vllm_config: Any, kv_cache_config: Any,
-                options: VllmConnectorOptions) -> ConnectorRuntime:
-    """The engine's runtime, built by whichever connector half asks first."""
+def workers_in_own_processes(vllm_config: Any) -> bool:
+    """Whether vLLM runs its workers in processes of their own (``"mp"``), which kvtier serves
+    through a shared staging pool; refuses executors it cannot share memory with."""
+    parallel = vllm_config.parallel_config
+    backend = parallel.distributed_executor_backend
+    if backend in (None, "uni") and parallel.world_size == 1:
+        return False
+    if backend != "mp":
+        raise ConfigError("distributed_executor_backend", backend,
+                          "uni or mp (kvtier's workers share its staging pool through this "
+                          "host's shared memory)")
+    if getattr(parallel, "nnodes", 1) != 1:
+        raise ConfigError("nnodes", parallel.nnodes, "1 (workers on other hosts cannot map "
+                          "kvtier's shared staging pool)")
+    return True
+
+
+def runtime_for(vllm_config: Any, kv_cache_config: Any, options: VllmConnectorOptions,
+                scheduler: bool = True) -> ConnectorRuntime | RankRuntime:
+    """The engine's runtime, built by whichever connector half asks first; a worker in a
+    process of its own (``scheduler`` False there) gets a ``RankRuntime`` of its own."""
+    ranked = workers_in_own_processes(vllm_config)
+    if ranked and not scheduler:
+        return RankRuntime(options, model_shape(vllm_config, kv_cache_config))
     engine_id = str(vllm_config.kv_transfer_config.engine_id)
     with _REGISTRY_LOCK:
         runtime = _RUNTIMES.get(engine_id)
         if runtime is None or runtime._closed:
-            runtime = _build(vllm_config, kv_cache_config, options)
+            runtime = _build(vllm_config, kv_cache_config, options, ranked)
             _RUNTIMES[engine_id] = runtime
         return runtime
 
 
-def _build(vllm_config: Any, kv_cache_config: Any,
-           options: VllmConnectorOptions) -> ConnectorRuntime:
-    backend = vllm_config.parallel_config.distributed_executor_backend
-    if backend not in (None, "uni"):
-        raise ConfigError("distributed_executor_backend", backend, "uni: a single worker in the "
-                          "engine-core process (on vLLM's CPU backend, which otherwise starts "
-                          "its worker as a process of its own, set "
-                          "VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+def _build(vllm_config: Any, kv_cache_config: Any, options: VllmConnectorOptions,
+           ranked: bool) -> ConnectorRuntime:
     shape = model_shape(vllm_config, kv_cache_config)
     page_size = options.config.cache.page_size
     layout = shape.layout(page_size)
     namespace = KeyNamespace(shape.model, model_fingerprint(vllm_config, options.model_fingerprint),
                              shape.dtype, layout.fingerprint(), page_size)
-    device = _device(vllm_config)
+    device = "cpu" if ranked else _device(vllm_config)
+    shared = _shared_pool(vllm_config, options, layout) if ranked else None
     saver = Saver(options.save_queue_depth, options.background_priority)
     try:
-        cache = saver.call(lambda: _build_cache_here(options, layout, namespace, device))
+        cache = saver.call(lambda: _build_cache_here(options, layout, namespace, device, shared))
     except BaseException:
         saver.close(1.0)
+        if shared is not None:
+            shared.close()
         raise
-    runtime = ConnectorRuntime(options, shape, cache, namespace, saver)
+    runtime = ConnectorRuntime(options, shape, cache, namespace, saver, shared)
     atexit.register(runtime.close)
     if shape.refused:
         log.warning("kvtier connector: this model's KV is not served from or stored into "
                     "kvtier (%s); vLLM computes every prompt as without kvtier (counted "
                     "requests_refused_model_kv)", shape.refused)
     log.info("kvtier connector: %d layers x %d heads x %d, %s, page %d tokens (vLLM block %d), "
-             "stores %s", len(shape.layer_names), shape.kv_heads, shape.head_dim, shape.dtype,
+             "stores %s, %s", len(shape.layer_names), shape.kv_heads, shape.head_dim, shape.dtype,
              page_size, shape.block_size, [t for t, u in (("disk", options.store.disk_url),
-                                                    ("remote", options.store.remote_url)) if u])
+                                                    ("remote", options.store.remote_url)) if u],
+             f"{shape.tp_size} worker process(es) over a shared staging pool" if ranked
+             else "worker in this process")
     return runtime
+
+
+def _shared_pool(vllm_config: Any, options: VllmConnectorOptions, layout: KVLayout) -> SharedPool:
+    from kvtier.memory.device_pool import cpu_pool_pages, torch_dtype
+
+    pages = cpu_pool_pages(options.config.cache, layout)
+    shape = (layout.num_layers, layout.parts, pages, *layout.part_shape())
+    tag = f"{vllm_config.kv_transfer_config.engine_id}-dp{vllm_config.parallel_config.data_parallel_rank}"
+    return SharedPool(tag, shape, torch_dtype(layout.dtype))
 
 
 def _device(vllm_config: Any) -> str:
@@ -239,14 +330,16 @@ def _device(vllm_config: Any) -> str:
 
 
 def _build_cache_here(options: VllmConnectorOptions, layout: KVLayout, namespace: KeyNamespace,
-                      device: str) -> Any:
+                      device: str, shared: SharedPool | None = None) -> Any:
     from kvtier.cache import TieredCache
+    from kvtier.memory.device_pool import DevicePool
 
     if device.startswith("cuda"):
         import torch
 
         torch.cuda.set_device(torch.device(device))
-    return TieredCache.build(options.config, layout, namespace, device=device)
+    pool = DevicePool.over(layout, shared.tensor) if shared is not None else None
+    return TieredCache.build(options.config, layout, namespace, device=device, device_pool=pool)
 
 
 def runtimes() -> list[ConnectorRuntime]:

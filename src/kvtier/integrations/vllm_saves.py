@@ -63,16 +63,19 @@ class PromptSave:
 class SaveCopier:
     """The tensor work of saves over one runtime and vLLM's registered KV tensors."""
 
-    def __init__(self, runtime: ConnectorRuntime, kv_caches: dict[str, torch.Tensor],
-                 layout: BlockLayout, blocks: BlockCopier | None = None) -> None:
+    def __init__(self, runtime: ConnectorRuntime, kv_caches: dict[str, torch.Tensor] | None,
+                 layout: BlockLayout | None, blocks: BlockCopier | None = None) -> None:
+        """``kv_caches`` None: the copies run in worker processes (``vllm_rank_steps`` plans
+        and commits through this copier, and never calls ``copy_layer``)."""
         self.runtime = runtime
-        self.kv_caches = [kv_caches[name] for name in runtime.shape.layer_names]
+        names = runtime.shape.layer_names
+        self.kv_caches = [kv_caches[name] for name in names] if kv_caches is not None else []
         self.layout = layout
         self.blocks = blocks            # whole-block kernel copies, where they apply
 
     @property
     def num_layers(self) -> int:
-        return len(self.kv_caches)
+        return len(self.runtime.shape.layer_names)
 
     def plan(self, spec: SaveSpec, handles: list[Any] | None = None) -> PromptSave | None:
         """Staging pages and row indices for ``spec``; None when nothing is to be done.

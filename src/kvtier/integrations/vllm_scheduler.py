@@ -47,7 +47,9 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvtier.integrations.vllm_rank_steps import RankedSteps
 from kvtier.integrations.vllm_runtime import ConnectorRuntime
+from kvtier.integrations.vllm_shared_pool import PoolRef
 from kvtier.integrations.vllm_specs import LoadSpec, SaveSpec
 
 __all__ = ["KvtierConnectorMetadata", "LoadSpec", "SaveSpec", "SchedulerSide"]
@@ -72,6 +74,11 @@ class KvtierConnectorMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
     #: Requests vLLM preempted this step: their blocks are reused before the forward.
     preempted: list[str] = field(default_factory=list)
+    #: Workers in processes of their own (``vllm_rank_steps``): the step's number, the shared
+    #: staging pool, and finished requests whose blocks vLLM keeps until this step's copies.
+    step: int = 0
+    pool: PoolRef | None = None
+    held: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -94,6 +101,8 @@ class SchedulerSide:
         self._tracked: dict[str, _Tracked] = {}
         self._loads: list[LoadSpec] = []
         self._stepping: set[str] = set()   # requests the last step ran (and not finished)
+        #: Workers in processes of their own: the steps they still run for kvtier.
+        self.ranked = RankedSteps(runtime) if runtime.ranked else None
 
     # ---- admission -------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any,
@@ -232,7 +241,14 @@ class SchedulerSide:
                 tracked.blocks.extend(new_blocks[0])
             self._maybe_save(meta, tracked, cached.num_computed_tokens[i],
                              scheduler_output.num_scheduled_tokens.get(req_id, 0))
+        if self.ranked is not None:
+            self.ranked.prepare(meta)
         return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """What the workers ran (workers in processes of their own only)."""
+        if self.ranked is not None:
+            self.ranked.on_output(connector_output.kv_connector_worker_meta)
 
     def _maybe_save(self, meta: KvtierConnectorMetadata, tracked: _Tracked, computed: int,
                     scheduled: int) -> None:
@@ -252,8 +268,9 @@ class SchedulerSide:
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, None]:
         """Store the full pages the generated tokens added (a chat's next turn starts with
-        them), then have vLLM keep the blocks (True) while a save still copies out of them;
-        the worker's ``get_finished`` says when they are free."""
+        them), then have vLLM keep the blocks (True) while a save still copies out of them
+        (or, with workers in processes of their own, until the next step copies them); the
+        worker's ``get_finished`` says when they are free."""
         tracked = self._tracked.pop(request.request_id, None)
         self._stepping.discard(request.request_id)
         self.runtime.release_staged(request.request_id)
@@ -261,11 +278,12 @@ class SchedulerSide:
             with self.runtime.lock:
                 self.runtime.cache.release(tracked.landing)
         if tracked is not None and tracked.stored and not tracked.off and not \
-                self.runtime.shape.refused:
-            self._save_generated(request, list(block_ids or ()))
+                self.runtime.shape.refused and self._save_generated(request,
+                                                                    list(block_ids or ())):
+            return True, None
         return self.runtime.saver.hold_blocks(request.request_id), None
 
-    def _save_generated(self, request: Any, block_ids: list[int]) -> None:
+    def _save_generated(self, request: Any, block_ids: list[int]) -> bool:
         """Queue a save of every full page of prompt and output whose KV vLLM computed, when
         the output filled at least one page past the prompt's. The saver reads the blocks
         after this step, whose forward has finished (its tokens were sampled)."""
@@ -274,11 +292,14 @@ class SchedulerSide:
         computed = min(request.num_computed_tokens, len(request.all_token_ids))
         full = computed // page * page
         if full // page <= prompt // page or -(-full // block) > len(block_ids):
-            return
+            return False
         spec = SaveSpec(request.request_id, tuple(request.all_token_ids[:full]),
                         request.cache_salt, tuple(block_ids[: -(-full // block)]))
         self.runtime.counts["generated_saves"] += 1
+        if self.ranked is not None:     # the workers copy it next step; vLLM keeps the blocks
+            return self.ranked.save_finished(spec)
         self.runtime.saver.submit(request.request_id, spec=spec)
+        return False
 
 
 def _sources(tokens_by_tier: dict[str, int], start: int, end: int) -> dict[CacheHitSource, int]:

@@ -6,6 +6,10 @@ builds them on vLLM's scheduling thread and the worker half reads them on the mo
 Kept apart from the scheduler so that the worker half, its copies and their tests run on plain
 tensors without vLLM installed (any object with ``loads``, ``saves`` and ``preempted`` lists
 serves as a step's metadata there).
+
+When the workers run in processes of their own (``vllm_ranks``), a spec also names the pages
+of kvtier's shared staging pool to read or fill (``pages``), since a worker cannot look up what
+the scheduler staged.
 """
 
 from __future__ import annotations
@@ -21,6 +25,10 @@ class LoadSpec:
     start: int
     end: int
     block_ids: tuple[int, ...]
+    #: Worker processes: the staged pages in prefix order, ``pages[0]`` holding the page that
+    #: starts at token ``page_start`` (empty when the worker shares the scheduler's process).
+    pages: tuple[int, ...] = ()
+    page_start: int = 0
 
 
 @dataclass(frozen=True)
@@ -31,3 +39,7 @@ class SaveSpec:
     tokens: tuple[int, ...]
     salt: str | None
     block_ids: tuple[int, ...]
+    #: Worker processes: every full page's staging page (prefix order); tokens from ``start``
+    #: on are to be filled (the pages before it kvtier held already).
+    pages: tuple[int, ...] = ()
+    start: int = 0

@@ -38,9 +38,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kvtier.errors import KvtierError
 from kvtier.integrations.vllm_blocks import BlockCopier, kernels_fit
-from kvtier.integrations.vllm_layout import BlockLayout, block_layout, check_cpu_layout
+from kvtier.integrations.vllm_layout import BlockLayout, registered_layout
 from kvtier.integrations.vllm_runtime import ConnectorRuntime
 from kvtier.integrations.vllm_saves import PromptSave, SaveCopier
 from kvtier.integrations.vllm_specs import LoadSpec
@@ -96,13 +95,9 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], backend: str,
                            cpu_write_op: Any = None) -> None:
         shape = self.runtime.shape
-        missing = sorted(set(shape.layer_names) - set(kv_caches))
-        if missing:
-            raise KvtierError(f"vLLM registered no KV cache for layers {missing}")
+        layout = registered_layout(kv_caches, shape.layer_names, backend, shape.kv_heads,
+                                   shape.head_dim, cpu_write_op)
         first = kv_caches[shape.layer_names[0]]
-        layout = block_layout(backend, first, shape.kv_heads, shape.head_dim)
-        if layout.kind == "cpu" and cpu_write_op is not None:
-            check_cpu_layout(layout, first.dtype, cpu_write_op)
         self.kv_caches = {name: kv_caches[name] for name in shape.layer_names}
         self.layout = layout
         pool = self.runtime.cache.device_pool.kv

@@ -41,6 +41,16 @@ def pages_for_memory(layout: KVLayout, free_bytes: int, fraction: float) -> int:
 CPU_DEVICE_POOL_CAP_BYTES = 1 << 30
 
 
+def cpu_pool_pages(config: CacheConfig, layout: KVLayout) -> int:
+    """Pages of a CPU pool: ``cache.device_pages``, else ``cache.device_memory_fraction`` of
+    the available memory, at most ``CPU_DEVICE_POOL_CAP_BYTES``."""
+    if config.device_pages:
+        return int(config.device_pages)
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    budget = min(int(available * config.device_memory_fraction), CPU_DEVICE_POOL_CAP_BYTES)
+    return max(1, budget // layout.page_bytes)
+
+
 class DevicePool:
     """Pages of KV on one device; see the module docstring for the tensor layout."""
 
@@ -55,6 +65,24 @@ class DevicePool:
         self.kv = torch.empty(shape, dtype=torch_dtype(layout.dtype), device=self.device)
         self.kv.view(torch.uint8).zero_()
         self.allocator = PageAllocator(num_pages, name=name)
+
+    @classmethod
+    def over(cls, layout: KVLayout, kv: torch.Tensor, name: str = "device_pool") -> DevicePool:
+        """A pool whose pages are the bytes of ``kv``, a tensor someone else allocated (a
+        shared-memory mapping), shaped and typed as the pool of ``layout`` would be."""
+        expected = (layout.num_layers, layout.parts, kv.shape[2] if kv.dim() > 2 else 0,
+                    *layout.part_shape())
+        if tuple(kv.shape) != expected or kv.dtype != torch_dtype(layout.dtype) \
+                or not kv.is_contiguous():
+            raise LayoutMismatch(f"a pool tensor {list(kv.shape)} {kv.dtype} for layout "
+                                 f"{list(expected)} {layout.dtype} (contiguous)")
+        pool = cls.__new__(cls)
+        pool.layout, pool.num_pages, pool.device = layout, int(kv.shape[2]), kv.device
+        pool.kv = kv
+        pool.allocator = PageAllocator(pool.num_pages, name=name)
+        if pool.num_pages < 1:
+            raise ConfigError("cache.device_pages", pool.num_pages, "an integer >= 1")
+        return pool
 
     def release(self) -> None:
         """Give the pages' device memory back once nothing reads or writes them any more (the
@@ -86,9 +114,7 @@ class DevicePool:
             return cls(layout, config.device_pages, device)
         if str(device).startswith("cuda"):
             return cls.from_free_memory(layout, config.device_memory_fraction, device)
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        budget = min(int(available * config.device_memory_fraction), CPU_DEVICE_POOL_CAP_BYTES)
-        return cls(layout, max(1, budget // layout.page_bytes), device)
+        return cls(layout, cpu_pool_pages(config, layout), device)
 
     # ---- views -------------------------------------------------------------------------------
     @property
