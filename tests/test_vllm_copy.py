@@ -59,6 +59,25 @@ def test_kernels_save_and_load_vllm_blocks_byte_exact(runtime, kind):
     assert runtime.counts["load_errors"] == 0
 
 
+@pytest.mark.parametrize("use_kernels", [pytest.param(True, marks=interpreted), False])
+@pytest.mark.parametrize("kind", ["flash", "flashinfer"])
+def test_pages_of_two_blocks_save_and_load_whole_blocks_byte_exact(kind, use_kernels):
+    # kvtier pages twice vLLM's block: each block moves whole, as one sub-page of a page
+    # (``vllm_blocks.block_view``), and lands where the tokens were.
+    rt = make_runtime(LAYERS, HEADS, DIM, torch.bfloat16, BLOCK, "cpu", staging_pages=8,
+                      page=2 * BLOCK)
+    try:
+        count = 4 * BLOCK
+        worker, source, target = round_trip(rt, kind, kind, NUM_BLOCKS, "cpu", _prompt(count),
+                                            OLD[:4], NEW[:4], count - 3,
+                                            use_kernels=use_kernels)
+        assert (worker.blocks is not None) == use_kernels
+        _check(kind, kind, source, target, count - 3)
+        assert rt.counts["load_errors"] == 0
+    finally:
+        rt.close(5.0)
+
+
 @interpreted
 @pytest.mark.parametrize("save_kind,load_kind", [("flash", "flashinfer"), ("flashinfer", "flash")])
 def test_a_prompt_saved_from_one_backend_loads_into_the_other(runtime, save_kind, load_kind):

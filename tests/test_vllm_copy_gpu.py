@@ -25,13 +25,17 @@ OLD = {16: tuple(range(90, 10, -4)), 128: (11, 2, 7, 0, 14)}
 NEW = {16: tuple(range(3, 83, 4)), 128: (5, 12, 1, 9, 3)}
 
 
-def _run(kind_save, kind_load, dtype, block, tail):
+def _run(kind_save, kind_load, dtype, block, tail, page=None):
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("set TRITON_INTERPRET=0 to run the kernels compiled on the GPU")
     old, new, n = OLD[block], NEW[block], NUM_BLOCKS[block]
     count = len(old) * block
+    if page:                            # whole kvtier pages of several blocks
+        count = count // page * page
+        old, new = old[: count // block], new[: count // block]
     device = f"cuda:{torch.cuda.current_device()}"      # the runtime sets it on its thread
-    runtime = make_runtime(LAYERS, HEADS, DIM, dtype, block, device, staging_pages=2 * len(old))
+    runtime = make_runtime(LAYERS, HEADS, DIM, dtype, block, device, staging_pages=2 * len(old),
+                           page=page)
     try:
         tokens = [(17 * i + 3) % 30000 + 5 for i in range(count)]
         worker, source, target = round_trip(runtime, kind_save, kind_load, n, device, tokens,
@@ -109,3 +113,8 @@ def _long_hit_round():
                 assert torch.equal(as_words(got), as_words(want)), name
     finally:
         runtime.close(10.0)
+
+
+@pytest.mark.parametrize("kind", ["flash", "flashinfer"])
+def test_128_token_pages_move_whole_16_token_blocks_byte_exact(kind):
+    _run(kind, kind, torch.bfloat16, 16, tail=3, page=128)

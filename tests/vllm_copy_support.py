@@ -35,15 +35,17 @@ class Step:
 
 
 def make_runtime(layers: int, heads: int, dim: int, dtype: torch.dtype, block: int,
-                 device: str, staging_pages: int) -> ConnectorRuntime:
+                 device: str, staging_pages: int, page: int | None = None) -> ConnectorRuntime:
+    """``page``: kvtier's page size (default: the block size)."""
     name = str(dtype).removeprefix("torch.")
+    page = page or block
     shape = ModelShape("copy-test", tuple(f"layer.{i}" for i in range(layers)), heads, dim,
                        name, block)
-    layout = shape.layout(block)
-    options = parse_connector_config({"staging_pages": staging_pages,
+    layout = shape.layout(page)
+    options = parse_connector_config({"staging_pages": staging_pages, "page_size": page,
                                       "host_pool_bytes": 2 * staging_pages * layout.page_bytes,
                                       "background_priority": "normal"}, block)
-    namespace = KeyNamespace(shape.model, "fingerprint", name, layout.fingerprint(), block)
+    namespace = KeyNamespace(shape.model, "fingerprint", name, layout.fingerprint(), page)
     saver = Saver(options.save_queue_depth, options.background_priority)
     cache = saver.call(lambda: _build_cache_here(options, layout, namespace, device))
     return ConnectorRuntime(options, shape, cache, namespace, saver)

@@ -1,11 +1,14 @@
 """Whole-block copies between a kvtier pool and vLLM's per-layer KV tensors, with kvtier's kernels.
 
-Owns ``BlockCopier`` and ``layer_geometry``. When kvtier's page size equals vLLM's block size,
-one layer of one vLLM block in flash-attention's ``[2, blocks, block, heads, dim]`` or
+Owns ``BlockCopier``, ``layer_geometry`` and ``block_view``. When kvtier's page size equals
+vLLM's block size, one layer of one vLLM block in flash-attention's ``[2, blocks, block, heads, dim]`` or
 FlashInfer's ``[blocks, 2, block, heads, dim]`` tensor is two contiguous parts, K then V, each
 ``[block, heads, dim]``: exactly one layer of a kvtier page in its canonical order (a page is
 ``[layers, K|V, page_size, heads, head_dim]``). So a block moves as a page does between kvtier's
-tiers: ``layer_geometry`` describes the vLLM tensor as a ``transfer.plan.PoolGeometry`` (its
+tiers. A page of k blocks is k such sub-pages, consecutive in the page (``block_view``: the
+pool seen as a pool of block-sized pages, sub-page ``page * k + j`` holding tokens
+``[j * block, (j + 1) * block)`` of ``page``), so large kvtier pages (fewer, larger copies on
+the bus, e.g. through the copy engines) still move into small vLLM blocks whole. ``layer_geometry`` describes the vLLM tensor as a ``transfer.plan.PoolGeometry`` (its
 layer stride 0: every layer is a tensor of its own, copied one launch per layer) and the copy
 is ``transfer.kernels.PreparedCopy``, the Triton kernel kvtier's copy engine moves pages with,
 one launch per layer and request, with no per-token indexing and no staging copy. The kernel
@@ -15,8 +18,8 @@ host pool (the kernel reads pinned memory in place).
 ``load`` moves pages of a kvtier pool into vLLM blocks, ``save`` blocks into pages, both for one
 layer on the caller's current stream (on CUDA: ordered after the attention that wrote them,
 before the one that reads them). Without kernels (vLLM's CPU backend, its ``[blocks, heads,
-block, 2*dim]`` layout, a page size other than the block size, a strided tensor) the caller
-keeps to ``vllm_layout``'s torch gathers. Runs on vLLM's model-runner thread (loads, forward
+block, 2*dim]`` layout, a page size that is not a multiple of the block size, a strided
+tensor) the caller keeps to ``vllm_layout``'s torch gathers. Runs on vLLM's model-runner thread (loads, forward
 saves) or kvtier's saver thread (CPU saves).
 """
 
@@ -36,10 +39,10 @@ KERNEL_KINDS = ("flash", "flashinfer")
 #: A load's copies run on the forward's stream, each just before the layer that reads it, while
 #: the host -> pool copy of the later layers is still in flight on kvtier's load stream: a grid
 #: that fills every SM delays that copy's next launch, and the bus, not the device-to-device
-#: copy, sets the pace. On the H200 (benchmarks/results/vllm_copy_h200.*), with the load in
-#: flight, 1 per SM was ahead of 4 per SM in 7 of 8 cells of layout x block size x prefix
-#: (e.g. 0.90 against 0.89 of the pinned rate at 4k tokens in 16-token flash blocks; the rows
-#: of 2 and 4 per SM stay in that table). 4 per SM had won while the copies ran only after the
+#: copy, sets the pace. On the H200, with the load in flight, 1 per SM was ahead of 4 per SM
+#: in 7 of 8 cells of layout x block size x prefix in the run this was chosen on (e.g. 0.90
+#: against 0.89 of the pinned rate at 4k tokens in 16-token flash blocks) and in 6 of 8 in the
+#: latest (benchmarks/results/vllm_copy_h200.*, which keeps the rows of 2 and 4 per SM). 4 per SM had won while the copies ran only after the
 #: whole load had landed, with nothing beside them.
 DEVICE_PROGRAMS_PER_SM = 1
 
@@ -61,9 +64,26 @@ def layer_geometry(layout: BlockLayout, element_size: int, num_layers: int) -> P
 def kernels_fit(layout: BlockLayout, kv: torch.Tensor, pool_kv: torch.Tensor,
                 page_size: int) -> bool:
     """Whether ``kv`` (one layer's tensor) and kvtier's pool can be copied by the kernels."""
-    return (layout.kind in KERNEL_KINDS and layout.block_size == page_size
+    return (layout.kind in KERNEL_KINDS and page_size % layout.block_size == 0
             and kv.is_contiguous() and kv.dtype == pool_kv.dtype
             and kv.device == pool_kv.device)
+
+
+def block_view(pool_kv: torch.Tensor, block_size: int) -> torch.Tensor:
+    """kvtier's pool ``[layers, 2, pages, page_size, heads, dim]`` as a pool of block-sized
+    sub-pages ``[layers, 2, pages * k, block_size, heads, dim]`` (``k = page_size //
+    block_size``; the same bytes)."""
+    layers, parts, pages, page_size, heads, dim = pool_kv.shape
+    if page_size % block_size:
+        raise ValueError(f"page size {page_size} is not a multiple of block size {block_size}")
+    k = page_size // block_size
+    return pool_kv.view(layers, parts, pages * k, block_size, heads, dim)
+
+
+def sub_pages(pages: torch.Tensor, page_size: int, block_size: int) -> torch.Tensor:
+    """The sub-page ids (``block_view``) of every block of ``pages``, in prefix order."""
+    k = page_size // block_size
+    return (pages.reshape(-1, 1) * k + torch.arange(k)).reshape(-1)
 
 
 class BlockCopier:

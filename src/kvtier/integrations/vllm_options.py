@@ -36,6 +36,7 @@ CONFIG_KEYS: dict[str, str] = {
     "write_policy": "controller.write_policy",
     "prefetch_timeout_max_s": "controller.prefetch_timeout_max_s",
     "io_workers": "controller.io_workers",
+    "copy_path": "host.copy_path",
 }
 
 #: Staging pages (kvtier's own page pool between vLLM's blocks and the host tier) when unset.

@@ -8,9 +8,10 @@ Owns ``PromptSave`` (one prompt being stored) and ``SaveCopier`` (the tensor wor
 - ``copy_layer(save, layer)`` gathers that layer's rows by slot from vLLM's KV tensor into the
   staging pages, in kvtier's canonical row order (``vllm_layout``): per layer and prompt one
   launch of kvtier's transfer kernel over whole blocks where ``vllm_blocks`` applies (CUDA,
-  flash-attention or FlashInfer layout, page size = block size); else, on the CPU with whole
-  blocks, one copy per block straight into its page; else one gather and one scatter (of whole
-  blocks when the page size is the block size, else of token rows);
+  flash-attention or FlashInfer layout, page size a multiple of the block size); else, on the
+  CPU with whole blocks, one copy per block straight into its page; else one gather and one
+  scatter (of whole blocks when the page size is a multiple of the block size, else of token
+  rows);
 - ``commit(save)`` hands the pages to ``TieredCache.commit`` (write policy: host copy, store
   backups on kvtier's IO threads) and records the KV event; ``abandon(save)`` frees them.
 
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 
 from kvtier.errors import KvtierError
-from kvtier.integrations.vllm_blocks import BlockCopier
+from kvtier.integrations.vllm_blocks import BlockCopier, block_view, sub_pages
 from kvtier.integrations.vllm_layout import BlockLayout
 from kvtier.integrations.vllm_runtime import ConnectorRuntime
 from kvtier.integrations.vllm_specs import SaveSpec
@@ -44,8 +45,9 @@ class PromptSave:
     slots: torch.Tensor                # the same tokens' slots in vLLM's blocks
     page_ids: list[int]                # every full page, in prefix order
     fresh: list[int]                   # the staging pages this save allocated
-    #: With kvtier pages as large as vLLM's blocks: the blocks and the pages they fill, so a
-    #: layer moves as whole blocks (``rows``/``slots`` serve any other page size).
+    #: With kvtier pages a whole number of vLLM's blocks: the blocks and the sub-pages
+    #: (``vllm_blocks.block_view``) they fill, so a layer moves as whole blocks
+    #: (``rows``/``slots`` serve any other page size).
     blocks: torch.Tensor | None = None
     pages: torch.Tensor | None = None
     kernel_plan: Any = None            # the kernels' checked copy of every layer, and its
@@ -106,16 +108,20 @@ class SaveCopier:
         table = torch.tensor(spec.block_ids, dtype=torch.long)
         slots = table[tokens // block] * block + tokens % block
         save = PromptSave(spec, rows, slots, held + fresh, fresh, handles=handles)
-        if block == page:
-            save.blocks = table[len(held):full]
-            save.pages = torch.tensor(fresh, dtype=torch.long)
+        if page % block == 0:           # whole blocks into sub-pages (``block_view``)
+            per_page = page // block
+            save.blocks = table[len(held) * per_page:full * per_page]
+            save.pages = sub_pages(torch.tensor(fresh, dtype=torch.long), page, block)
         return save
 
     def copy_layer(self, save: PromptSave, layer: int, kv_layer: torch.Tensor | None = None) -> None:
         """Copy layer ``layer`` of ``save``'s rows from vLLM's tensor into the staging pages."""
         started = time.thread_time()
         kv = self.kv_caches[layer] if kv_layer is None else kv_layer
+        assert self.layout is not None
         pool = self.runtime.cache.device_pool.kv
+        if save.blocks is not None:
+            pool = block_view(pool, self.layout.block_size)
         if save.blocks is not None and save.pages is not None and self.blocks is not None:
             if save.kernel_plan is None:
                 save.kernel_plan = self.blocks.plan("store", save.blocks.numpy(),

@@ -11,7 +11,7 @@ Owns ``WorkerSide``. Runs on vLLM's model-runner thread, inside the forward:
   for the whole copies of loads staged for later steps, whose pages other requests may already
   be served from; a finished load whose copy has not landed is released at a later step,
   never waited for on the host): on CUDA with flash-attention's or FlashInfer's layout and
-  kvtier pages as large as vLLM's blocks, whole blocks with kvtier's transfer kernels
+  kvtier pages a whole number of vLLM's blocks, whole blocks with kvtier's transfer kernels
   (``vllm_blocks``, one launch per layer and request) and only the rows of partly loaded blocks
   by slot; otherwise every row by slot (torch gathers);
 - ``wait_for_save`` hands the step's saves (prompts whose prefill completed) to the runtime's
@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kvtier.integrations.vllm_blocks import BlockCopier, kernels_fit
+from kvtier.integrations.vllm_blocks import BlockCopier, block_view, kernels_fit
 from kvtier.integrations.vllm_layout import BlockLayout, registered_layout
 from kvtier.integrations.vllm_runtime import ConnectorRuntime
 from kvtier.integrations.vllm_saves import PromptSave, SaveCopier
@@ -104,7 +104,8 @@ class WorkerSide:
         wanted = first.device.type == "cuda" if self.use_kernels is None else self.use_kernels
         fits = all(kernels_fit(layout, kv, pool, self.runtime.page_size)
                    for kv in self.kv_caches.values())
-        self.blocks = BlockCopier.for_device_pool(layout, pool) if wanted and fits else None
+        self.blocks = (BlockCopier.for_device_pool(layout, block_view(pool, layout.block_size))
+                       if wanted and fits else None)
         self.copier = SaveCopier(self.runtime, self.kv_caches, layout, self.blocks)
         self.runtime.saver.copier = self.copier
         log.info("kvtier connector: %s KV layout, %d blocks of %d tokens, copies by %s",
@@ -145,10 +146,14 @@ class WorkerSide:
         slots = self._slots(spec.block_ids, tokens)
         if self.blocks is None:
             return _Move(spec.req_id, rows, slots, loaded)
-        # Page size is block size: blocks inside [start, end) move whole, the rest by row.
-        first, stop = -(-spec.start // page), spec.end // page
-        whole = (tokens >= first * page) & (tokens < stop * page)
-        block_pages = pages[(torch.arange(first, stop) * page - loaded.start_tokens) // page]
+        # Blocks inside [start, end) move whole (from their sub-pages, ``block_view``), the
+        # rest by row.
+        block = self.runtime.shape.block_size
+        first, stop = -(-spec.start // block), spec.end // block
+        whole = (tokens >= first * block) & (tokens < stop * block)
+        starts = torch.arange(first, stop) * block
+        held = pages[(starts - loaded.start_tokens) // page]
+        block_pages = held * (page // block) + starts % page // block
         page_ids, block_ids = block_pages.numpy(), np.asarray(spec.block_ids[first:stop])
         move = _Move(spec.req_id, rows[~whole], slots[~whole], loaded)
         if len(page_ids):
