@@ -1,26 +1,27 @@
 """Whole-block copies between a kvtier pool and vLLM's per-layer KV tensors, with kvtier's kernels.
 
 Owns ``BlockCopier``, ``layer_geometry`` and ``block_view``. When kvtier's page size equals
-vLLM's block size, one layer of one vLLM block in flash-attention's ``[2, blocks, block, heads, dim]`` or
-FlashInfer's ``[blocks, 2, block, heads, dim]`` tensor is two contiguous parts, K then V, each
-``[block, heads, dim]``: exactly one layer of a kvtier page in its canonical order (a page is
-``[layers, K|V, page_size, heads, head_dim]``). So a block moves as a page does between kvtier's
-tiers. A page of k blocks is k such sub-pages, consecutive in the page (``block_view``: the
-pool seen as a pool of block-sized pages, sub-page ``page * k + j`` holding tokens
-``[j * block, (j + 1) * block)`` of ``page``), so large kvtier pages (fewer, larger copies on
-the bus, e.g. through the copy engines) still move into small vLLM blocks whole. ``layer_geometry`` describes the vLLM tensor as a ``transfer.plan.PoolGeometry`` (its
-layer stride 0: every layer is a tensor of its own, copied one launch per layer) and the copy
-is ``transfer.kernels.PreparedCopy``, the Triton kernel kvtier's copy engine moves pages with,
-one launch per layer and request, with no per-token indexing and no staging copy. The kernel
-sees two pointers and two sets of strides; the kvtier side may be its device pool or its pinned
-host pool (the kernel reads pinned memory in place).
+vLLM's block size, one layer of one vLLM block in flash-attention's ``[2, blocks, block, heads,
+dim]`` or FlashInfer's ``[blocks, 2, block, heads, dim]`` tensor is two contiguous parts, K then
+V, each ``[block, heads, dim]``: exactly one layer of a kvtier page in its canonical order (a
+page is ``[layers, K|V, page_size, heads, head_dim]``). So a block moves as a page does between
+kvtier's tiers. A page of k blocks is k such sub-pages, consecutive in the page (``block_view``:
+the pool seen as a pool of block-sized pages, sub-page ``page * k + j`` holding tokens ``[j *
+block, (j + 1) * block)`` of ``page``), so large kvtier pages (fewer, larger copies on the bus,
+e.g. through the copy engines) still move into small vLLM blocks whole. ``layer_geometry``
+describes the vLLM tensor as a ``transfer.plan.PoolGeometry`` (its layer stride 0: every layer
+is a tensor of its own, copied one launch per layer) and the copy is
+``transfer.kernels.PreparedCopy``, the Triton kernel kvtier's copy engine moves pages with, one
+launch per layer and request, with no per-token indexing and no staging copy. The kernel sees
+two pointers and two sets of strides; the kvtier side may be its device pool or its pinned host
+pool (the kernel reads pinned memory in place).
 
 ``load`` moves pages of a kvtier pool into vLLM blocks, ``save`` blocks into pages, both for one
 layer on the caller's current stream (on CUDA: ordered after the attention that wrote them,
 before the one that reads them). Without kernels (vLLM's CPU backend, its ``[blocks, heads,
-block, 2*dim]`` layout, a page size that is not a multiple of the block size, a strided
-tensor) the caller keeps to ``vllm_layout``'s torch gathers. Runs on vLLM's model-runner thread (loads, forward
-saves) or kvtier's saver thread (CPU saves).
+block, 2*dim]`` layout, a page size that is not a multiple of the block size, a strided tensor)
+the caller keeps to ``vllm_layout``'s torch gathers. Runs on vLLM's model-runner thread (loads,
+forward saves) or kvtier's saver thread (CPU saves).
 """
 
 from __future__ import annotations
@@ -35,15 +36,15 @@ from kvtier.transfer.plan import CopyPlan, PoolGeometry, device_geometry, make_p
 
 #: Layouts whose blocks are a canonical page layer (K part, then V part, each contiguous).
 KERNEL_KINDS = ("flash", "flashinfer")
-#: Programs per multiprocessor of the copies between kvtier's device pool and vLLM's blocks.
-#: A load's copies run on the forward's stream, each just before the layer that reads it, while
-#: the host -> pool copy of the later layers is still in flight on kvtier's load stream: a grid
-#: that fills every SM delays that copy's next launch, and the bus, not the device-to-device
-#: copy, sets the pace. On the H200, with the load in flight, 1 per SM was ahead of 4 per SM
-#: in 7 of 8 cells of layout x block size x prefix in the run this was chosen on (e.g. 0.90
-#: against 0.89 of the pinned rate at 4k tokens in 16-token flash blocks) and in 6 of 8 in the
-#: latest (benchmarks/results/vllm_copy_h200.*, which keeps the rows of 2 and 4 per SM). 4 per SM had won while the copies ran only after the
-#: whole load had landed, with nothing beside them.
+#: Programs per multiprocessor of the copies between kvtier's device pool and vLLM's blocks. A
+#: load's copies run on the forward's stream, each just before the layer that reads it, while the
+#: host -> pool copy of the later layers is still in flight on kvtier's load stream: a grid that
+#: fills every SM delays that copy's next launch, and the bus, not the device-to-device copy,
+#: sets the pace. On the H200, with the load in flight, 1 per SM was ahead of 4 per SM in 7 of 8
+#: cells of layout x block size x prefix in the run this was chosen on (e.g. 0.90 against 0.89 of
+#: the pinned rate at 4k tokens in 16-token flash blocks) and in 6 of 8 in the latest
+#: (benchmarks/results/vllm_copy_h200.*, which keeps the rows of 2 and 4 per SM). 4 per SM had
+#: won while the copies ran only after the whole load had landed, with nothing beside them.
 DEVICE_PROGRAMS_PER_SM = 1
 
 
