@@ -69,7 +69,8 @@ class TieredCache:
     def build(cls, config: KvtierConfig, layout: KVLayout, namespace: KeyNamespace, *,
               device: str = "cpu", collective: Collective | None = None,
               stores: dict[str, PageStore] | None = None, heads: tuple[int, int] | None = None,
-              heads_per_record: int = 1, device_pool: DevicePool | None = None) -> TieredCache:
+              heads_per_record: int = 1, device_pool: DevicePool | None = None,
+              pin_host: bool | None = None) -> TieredCache:
         """Pools, stores, workers, index and controller from ``config``.
 
         ``heads`` (a tensor-parallel rank's KV heads of ``layout``, the full model's layout)
@@ -82,7 +83,9 @@ class TieredCache:
         latency or fault injectors this way). Store tiers without a host pool, and a host pool
         smaller than one page, are refused (``ConfigError`` naming the settings).
         ``device_pool`` (pages in memory the caller allocated, ``DevicePool.over``) replaces
-        the pool ``cache.device_pages`` would make. ``cache.device_pages`` 0 sizes the
+        the pool ``cache.device_pages`` would make; ``pin_host`` False keeps the host tier
+        in pageable memory (None: pinned when CUDA is present), for a cache whose pages never
+        cross to a GPU from this process. ``cache.device_pages`` 0 sizes the
         device pool from free memory (``cache.device_memory_fraction``; on the CPU at most
         1 GiB).
         """
@@ -102,7 +105,7 @@ class TieredCache:
         host_pool = None
         if config.host.pool_bytes:
             host_pool = HostPool.from_bytes(layout, config.host.pool_bytes, budget,
-                                            host_layout=config.host.layout)
+                                            host_layout=config.host.layout, pin=pin_host)
         if heads is None:
             opened = stores if stores is not None else open_stores(config, layout) if host_pool else {}
         else:

@@ -338,8 +338,11 @@ def _build_cache_here(options: VllmConnectorOptions, layout: KVLayout, namespace
         import torch
 
         torch.cuda.set_device(torch.device(device))
+    # With workers in processes of their own the host tier only feeds the shared pool by
+    # memcpy: pinning it would bring CUDA into the engine-core process for nothing.
     pool = DevicePool.over(layout, shared.tensor) if shared is not None else None
-    return TieredCache.build(options.config, layout, namespace, device=device, device_pool=pool)
+    return TieredCache.build(options.config, layout, namespace, device=device, device_pool=pool,
+                             pin_host=False if shared is not None else None)
 
 
 def runtimes() -> list[ConnectorRuntime]:
