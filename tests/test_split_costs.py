@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 from tests.test_engine_support import make_config, tiny_lm
 
@@ -102,6 +104,11 @@ def test_prefills_of_one_length_do_not_give_a_curve():
     assert book.prefill_time() is None
 
 
+#: What ``plan_split`` reads from the rate book besides the splits' lateness.
+PLANNING_STATE = ("rates", "prefill_tokens_per_s", "prefill_fixed_s", "prefill_fit",
+                  "prefill_curve")
+
+
 def test_a_split_that_ran_late_makes_hits_of_that_size_recompute(tmp_path):
     from kvtier.engine.request import PrefillReport
 
@@ -109,11 +116,16 @@ def test_a_split_that_ran_late_makes_hits_of_that_size_recompute(tmp_path):
     try:
         rates.rates["disk"] = (lm.kv_layout(16).bytes_per_token * 5000.0, 0.0)
         rates.prefill_tokens_per_s = 5000.0  # loading as slow as recomputing: split in half
+        planned = {name: copy.deepcopy(getattr(rates, name)) for name in PLANNING_STATE}
         report = _serve(cache, prompt, PrefillReport)
         assert 0 < report.recomputed_hit_tokens < 128
         assert set(rates.split_errors) == {128 .bit_length()}  # the split was timed
         rates.observe_split(128, 0.0128, 0.2)  # then splits of this size are seen running late
         cache.drop_tiers(("device", "host"))
+        # The serve above measured this machine's disk and prefill: put back what the split
+        # was planned on, so that only the lateness differs between the two decisions.
+        for name, value in planned.items():
+            setattr(rates, name, value)
         report = _serve(cache, prompt, PrefillReport)
         assert report.recomputed_hit_tokens == 128 and report.cached_tokens == 0
         rates.observe_split(2048, 0.1, 0.5)  # another size's lateness does not count here
