@@ -25,7 +25,6 @@ failed) abandons that step's saves; that rank reports the failed loads' blocks i
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,8 +33,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerM
 from kvtier.integrations.vllm_runtime import ConnectorRuntime
 from kvtier.integrations.vllm_saves import PromptSave, SaveCopier
 from kvtier.integrations.vllm_specs import LoadSpec, SaveSpec
-
-log = logging.getLogger(__name__)
 
 
 @dataclass

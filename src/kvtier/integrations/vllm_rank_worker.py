@@ -150,9 +150,7 @@ class RankWorker:
 
     def get_finished(self, finished_req_ids: set[str]) -> set[str] | None:
         """Finished requests whose blocks vLLM kept for this step's copies, now done."""
-        meta = self._meta
-        held = set(getattr(meta, "held", ()) or ())
-        return held or None
+        return set(self._meta.held) or None if self._meta is not None else None
 
     def build_worker_meta(self) -> KvtierWorkerMeta | None:
         meta = self._meta
