@@ -1,8 +1,8 @@
 """Loading a prefix's KV from kvtier's pinned host tier into vLLM-shaped KV tensors, per layout.
 
-For each vLLM layout (flash-attention ``[2, blocks, block, heads, dim]`` and FlashInfer
-``[blocks, 2, block, heads, dim]``, one tensor per layer), block size (kvtier's page size equal
-to it) and prefix length, side by side in one run:
+For each memory order of vLLM's per-layer ``[blocks, heads, tokens, K|V]`` tensor (``nhd``:
+tokens outer, vLLM's default; ``hnd``: heads outer), block size (kvtier's page size equal to it)
+and prefix length, side by side in one run:
 
 - ``pinned copy_``: one ``Tensor.copy_`` per layer of the same bytes from a contiguous buffer
   of torch's pinned memory to a contiguous device buffer: the pinned PCIe rate, the baseline of
@@ -11,7 +11,7 @@ to it) and prefix length, side by side in one run:
   ``TieredCache.load(..., overlap=True)`` (kvtier's copy engine, host pages -> kvtier's device
   pool, one launch and one event per layer on its load stream, left in flight) and then the
   worker half's ``wait_for_layer_load`` for every layer (the forward's stream waits for that
-  layer's event, then ``vllm_blocks`` copies pool pages -> vLLM blocks, one launch per layer),
+  layer's event, then ``integrations.vllm.blocks`` copies pool pages -> vLLM blocks, one launch per layer),
   so the device-to-device copies overlap the bus copy of the layers after them;
 - ``connector, serial``: the path before the overlap: the whole load in one launch, and the
   worker's copies only after it;
@@ -22,11 +22,9 @@ to it) and prefix length, side by side in one run:
   (``host.copy_path: copy_engine``: each page's layer as one copy-engine copy into a device
   staging buffer, then scattered into the pool device to device), no multiprocessor on the bus;
 - ``connector, N/SM``: the same with the worker's copies on N programs per multiprocessor
-  (the worker runs ``vllm_blocks.DEVICE_PROGRAMS_PER_SM``);
+  (the worker runs ``vllm.blocks.DEVICE_PROGRAMS_PER_SM``);
 - ``connector, torch rows``: the same with the worker's copy done by torch indexing by slot
-  (what the worker does where the kernels do not apply);
-- ``direct``: kvtier's kernel from the pinned host pages straight into vLLM's blocks, one launch
-  per layer (the layout conversion alone at the bus's rate, no device pool in between).
+  (what the worker does where the kernels do not apply).
 
 Pages, pool pages and blocks are scattered (random permutations). ``load ms`` is the
 TTFT-shaped figure: from the first copy until every layer of the prefix sits in vLLM's tensors
@@ -59,7 +57,7 @@ from kvtier.machine import format_table, write_report
 
 GB = 1e9
 #: Grids (programs per multiprocessor) of the worker's pool -> block copies, each a row of its
-#: own beside the worker's (``vllm_blocks.DEVICE_PROGRAMS_PER_SM``, chosen from this comparison).
+#: own beside the worker's (``vllm.blocks.DEVICE_PROGRAMS_PER_SM``, chosen from this comparison).
 OTHER_PROGRAMS_PER_SM = (1, 2, 4)
 #: The connector path's rate over the pinned ``copy_`` rate it should reach (issue #19).
 GOAL_RATIO = 0.90
@@ -142,22 +140,39 @@ class Setup:
         self.host.close()
 
 
+#: The attention backend each memory order stands for (any of vLLM's packed backends reads alike).
+BACKENDS = {"nhd": "FLASH_ATTN", "hnd": "FLASHINFER"}
+
+
 def vllm_tensors(setup: Setup, kind: str) -> list[torch.Tensor]:
+    """One ``[blocks, heads, tokens, 2 * head_dim]`` tensor per layer, in ``kind``'s order."""
+    lay, n, b = setup.layout, setup.num_blocks, setup.block
+    h, d = lay.num_kv_heads, lay.head_dim
+    out = []
+    for _ in range(lay.num_layers):
+        if kind == "nhd":
+            kv = torch.zeros(n, b, h, 2 * d, dtype=setup.dtype, device=setup.device)
+            out.append(kv.permute(0, 2, 1, 3))
+        else:
+            out.append(torch.zeros(n, h, b, 2 * d, dtype=setup.dtype, device=setup.device))
+    return out
+
+
+def tensor_layout(setup: Setup, kind: str, kv: list[torch.Tensor]) -> Any:
+    from kvtier.integrations.vllm.layout import block_layout
+
     lay = setup.layout
-    dims = (2, setup.num_blocks) if kind == "flash" else (setup.num_blocks, 2)
-    return [torch.zeros(*dims, setup.block, lay.num_kv_heads, lay.head_dim, dtype=setup.dtype,
-                        device=setup.device) for _ in range(lay.num_layers)]
+    return block_layout(BACKENDS[kind], kv[0], lay.num_kv_heads, lay.head_dim, setup.block)
 
 
 def coarse_paths(setup: Setup, kind: str, kv: list[torch.Tensor]) -> dict[str, Callable[[], None]]:
     """kvtier pages of ``setup.page`` tokens into ``setup.block``-token vLLM blocks: the
     connector's path, its load on the kernels or on the copy engines, then whole blocks out of
-    the pool's sub-pages (``vllm_blocks.block_view``)."""
-    from kvtier.integrations.vllm_blocks import BlockCopier, block_view, sub_pages
-    from kvtier.integrations.vllm_layout import BlockLayout
+    the pool's sub-pages (``vllm.blocks.block_view``)."""
+    from kvtier.integrations.vllm.blocks import BlockCopier, block_view, sub_pages
 
     lay, dev = setup.layout, setup.device
-    layout = BlockLayout(kind, setup.num_blocks, setup.block, lay.num_kv_heads, lay.head_dim)
+    layout = tensor_layout(setup, kind, kv)
     copier = BlockCopier.for_device_pool(layout, block_view(setup.pool, setup.block))
     subs = sub_pages(torch.from_numpy(setup.pool_ids), setup.page, setup.block).numpy()
     baseline_dst = torch.empty_like(setup.pinned, device=dev)
@@ -183,23 +198,20 @@ def coarse_paths(setup: Setup, kind: str, kv: list[torch.Tensor]) -> dict[str, C
 
 def paths(setup: Setup, kind: str, kv: list[torch.Tensor]) -> dict[str, Callable[[], None]]:
     """Each path's work: the whole prefix into ``kv``, layer by layer."""
-    from kvtier.integrations.vllm_blocks import DEVICE_PROGRAMS_PER_SM, BlockCopier
-    from kvtier.integrations.vllm_layout import BlockLayout
-    from kvtier.transfer.kernels import KernelConfig, PreparedCopy
+    from kvtier.integrations.vllm.blocks import DEVICE_PROGRAMS_PER_SM, BlockCopier
+    from kvtier.transfer.kernels import PreparedCopy
     from kvtier.transfer.plan import device_geometry, host_geometry, make_plan
 
     lay, dev = setup.layout, setup.device
-    layout = BlockLayout(kind, setup.num_blocks, setup.block, lay.num_kv_heads, lay.head_dim)
+    layout = tensor_layout(setup, kind, kv)
     host_geo = host_geometry(lay, setup.host.num_pages, "page_first")
     pool_geo = device_geometry(lay, setup.pool.shape[2])
     host = setup.host.buffer
     stage = PreparedCopy(make_plan("load", host_geo, pool_geo, setup.host_ids, setup.pool_ids),
                          setup.pool, host)
     from_pool = BlockCopier.for_device_pool(layout, setup.pool)
-    grids = {f"connector, {n}/SM": BlockCopier.for_device_pool(
-        layout, setup.pool, KernelConfig(programs_per_sm=n))
-        for n in OTHER_PROGRAMS_PER_SM if n != DEVICE_PROGRAMS_PER_SM}
-    from_host = BlockCopier(layout, host, host_geo, setup.pool.element_size())
+    grids = {f"connector, {n}/SM": BlockCopier.for_device_pool(layout, setup.pool, n)
+             for n in OTHER_PROGRAMS_PER_SM if n != DEVICE_PROGRAMS_PER_SM}
     block = setup.block
     tokens = torch.arange(setup.pages * block)
     rows = (torch.from_numpy(setup.pool_ids)[tokens // block] * block + tokens % block).to(dev)
@@ -236,25 +248,17 @@ def paths(setup: Setup, kind: str, kv: list[torch.Tensor]) -> dict[str, Callable
         for layer, tensor in enumerate(kv):
             layout.write(tensor, slots, flat[layer, 0][rows], flat[layer, 1][rows])
 
-    def direct() -> None:
-        plan = from_host.plan("load", setup.host_ids, setup.block_ids)
-        ids = from_host.ids(plan, dev)
-        for layer, tensor in enumerate(kv):
-            from_host.copy(plan, layer, tensor, ids)
-
     return {"pinned copy_": pinned, "connector": through_pool(from_pool),
             **{name: through_pool(copier) for name, copier in grids.items()},
             "connector, serial": serial(from_pool),
             "connector, wide load": through_pool(from_pool, setup.wide_engine),
             "connector, copy engines": through_pool(from_pool, setup.ce_engine),
-            "connector, torch rows": torch_rows, "direct": direct}
+            "connector, torch rows": torch_rows}
 
 
 def exact(setup: Setup, kind: str, kv: list[torch.Tensor]) -> bool:
-    from kvtier.integrations.vllm_layout import BlockLayout
-
-    lay, k = setup.layout, setup.per_page
-    layout = BlockLayout(kind, setup.num_blocks, setup.block, lay.num_kv_heads, lay.head_dim)
+    k = setup.per_page
+    layout = tensor_layout(setup, kind, kv)
     pages = torch.from_numpy(setup.host_ids).to(setup.device).repeat_interleave(k)
     within = torch.arange(k, device=setup.device).repeat(setup.pages)
     blocks = torch.from_numpy(setup.block_ids).to(setup.device)
@@ -308,7 +312,7 @@ def measure(args: argparse.Namespace, device: torch.device) -> list[dict[str, An
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--layouts", nargs="+", default=["flash", "flashinfer"])
+    parser.add_argument("--layouts", nargs="+", default=["nhd", "hnd"])
     parser.add_argument("--blocks", type=int, nargs="+", default=None)
     parser.add_argument("--prefixes", type=int, nargs="+", default=None)
     parser.add_argument("--layers", type=int, default=None)

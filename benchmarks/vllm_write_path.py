@@ -75,15 +75,15 @@ def _group(name: str) -> str:
 
 
 def build(tmp: Path, disk_query: str) -> tuple[Any, Any]:
-    from kvtier.integrations.vllm_layout import BlockLayout
-    from kvtier.integrations.vllm_options import parse_connector_config
-    from kvtier.integrations.vllm_runtime import (
+    from kvtier.integrations.vllm.layout import BlockLayout
+    from kvtier.integrations.vllm.options import parse_connector_config
+    from kvtier.integrations.vllm.runtime import (
         ConnectorRuntime,
         ModelShape,
         _build_cache_here,
     )
-    from kvtier.integrations.vllm_saver import Saver
-    from kvtier.integrations.vllm_saves import SaveCopier
+    from kvtier.integrations.vllm.saver import Saver
+    from kvtier.integrations.vllm.saves import SaveCopier
     from kvtier.keys import KeyNamespace
 
     options = parse_connector_config({"disk_url": f"file://{tmp / 'disk'}{disk_query}",
@@ -102,7 +102,7 @@ def build(tmp: Path, disk_query: str) -> tuple[Any, Any]:
 
 
 def store_prompts(runtime: Any, blocks: int, n: int, tokens: int, seed: int) -> None:
-    from kvtier.integrations.vllm_scheduler import SaveSpec
+    from kvtier.integrations.vllm.scheduler import SaveSpec
 
     rng = random.Random(seed)
     per = -(-tokens // BLOCK)

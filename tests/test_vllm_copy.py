@@ -12,9 +12,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvtier.integrations.vllm_blocks import BlockCopier, layer_geometry
-from kvtier.integrations.vllm_layout import BlockLayout
-from vllm_copy_support import HeldCopy, Step, as_words, make_runtime, round_trip, slots
+from kvtier.integrations.vllm.blocks import BlockCopier
+from kvtier.integrations.vllm.layout import block_layout
+from vllm_copy_support import (
+    BACKENDS,
+    HeldCopy,
+    Step,
+    as_words,
+    make_runtime,
+    packed_kv,
+    round_trip,
+    slots,
+)
 
 LAYERS, HEADS, DIM, BLOCK, NUM_BLOCKS = 2, 2, 16, 16, 12
 OLD, NEW = (5, 9, 2, 0, 7), (3, 11, 1, 8, 4)
@@ -28,9 +37,9 @@ def _prompt(n: int) -> list[int]:
 
 def _check(save_kind, load_kind, source, target, count, block=BLOCK):
     old, new = slots(OLD, block, count), slots(NEW, block, count)
-    save = BlockLayout(save_kind, NUM_BLOCKS, block, HEADS, DIM)
-    load = BlockLayout(load_kind, NUM_BLOCKS, block, HEADS, DIM)
     for name in source:
+        save = block_layout(BACKENDS[save_kind], source[name], HEADS, DIM)
+        load = block_layout(BACKENDS[load_kind], target[name], HEADS, DIM)
         for got, want in zip(load.read(target[name], new), save.read(source[name], old),
                              strict=True):
             assert torch.equal(as_words(got), as_words(want)), name
@@ -49,7 +58,7 @@ def runtime(request):
 
 @interpreted
 @pytest.mark.parametrize("runtime", [torch.bfloat16, torch.float16], indirect=True)
-@pytest.mark.parametrize("kind", ["flash", "flashinfer"])
+@pytest.mark.parametrize("kind", ["nhd", "hnd"])
 def test_kernels_save_and_load_vllm_blocks_byte_exact(runtime, kind):
     count = len(OLD) * BLOCK
     worker, source, target = round_trip(runtime, kind, kind, NUM_BLOCKS, "cpu", _prompt(count),
@@ -60,10 +69,10 @@ def test_kernels_save_and_load_vllm_blocks_byte_exact(runtime, kind):
 
 
 @pytest.mark.parametrize("use_kernels", [pytest.param(True, marks=interpreted), False])
-@pytest.mark.parametrize("kind", ["flash", "flashinfer"])
+@pytest.mark.parametrize("kind", ["nhd", "hnd"])
 def test_pages_of_two_blocks_save_and_load_whole_blocks_byte_exact(kind, use_kernels):
     # kvtier pages twice vLLM's block: each block moves whole, as one sub-page of a page
-    # (``vllm_blocks.block_view``), and lands where the tokens were.
+    # (``vllm.blocks.block_view``), and lands where the tokens were.
     rt = make_runtime(LAYERS, HEADS, DIM, torch.bfloat16, BLOCK, "cpu", staging_pages=8,
                       page=2 * BLOCK)
     try:
@@ -79,7 +88,7 @@ def test_pages_of_two_blocks_save_and_load_whole_blocks_byte_exact(kind, use_ker
 
 
 @interpreted
-@pytest.mark.parametrize("save_kind,load_kind", [("flash", "flashinfer"), ("flashinfer", "flash")])
+@pytest.mark.parametrize("save_kind,load_kind", [("nhd", "hnd"), ("hnd", "nhd")])
 def test_a_prompt_saved_from_one_backend_loads_into_the_other(runtime, save_kind, load_kind):
     count = len(OLD) * BLOCK
     _, source, target = round_trip(runtime, save_kind, load_kind, NUM_BLOCKS, "cpu",
@@ -95,12 +104,12 @@ def test_a_load_in_flight_is_waited_for_layer_by_layer_and_released_once_landed(
     # step's end must not release (and so wait on the host for) a copy that has not landed.
     count = len(OLD) * BLOCK
     copy, handles = HeldCopy(), []
-    worker, source, target = round_trip(runtime, "flash", "flash", NUM_BLOCKS, "cpu",
+    worker, source, target = round_trip(runtime, "nhd", "nhd", NUM_BLOCKS, "cpu",
                                         _prompt(count), OLD, NEW, count - 3,
                                         use_kernels=use_kernels, in_flight=copy,
                                         handles=handles)
     assert copy.waited == list(range(LAYERS))
-    _check("flash", "flash", source, target, count - 3)
+    _check("nhd", "nhd", source, target, count - 3)
     (loaded,) = handles
     assert not loaded.released and not copy.landed
     worker.start_load_kv(Step())                # a later step: still in flight, still held
@@ -114,7 +123,7 @@ def test_a_step_waits_for_copies_of_loads_staged_for_later_steps(runtime):
     # Pages a staged load is still copying are in kvtier's device tier already: a request
     # served from them may run first, so its step must wait for that copy.
     count = len(OLD) * BLOCK
-    worker, _, _ = round_trip(runtime, "flash", "flash", NUM_BLOCKS, "cpu", _prompt(count),
+    worker, _, _ = round_trip(runtime, "nhd", "nhd", NUM_BLOCKS, "cpu", _prompt(count),
                               OLD, NEW, count - 3, use_kernels=False)
     pending, landed = HeldCopy(), HeldCopy()
     landed.landed = True
@@ -128,7 +137,7 @@ def test_a_step_waits_for_copies_of_loads_staged_for_later_steps(runtime):
     assert pending.waited == [None] and landed.waited == []
 
 
-@pytest.mark.parametrize("kind", ["flash", "flashinfer", "cpu"])
+@pytest.mark.parametrize("kind", ["nhd", "hnd", "cpu"])
 def test_torch_gathers_save_and_load_vllm_blocks_byte_exact(runtime, kind):
     count = len(OLD) * BLOCK
     worker, source, target = round_trip(runtime, kind, kind, NUM_BLOCKS, "cpu", _prompt(count),
@@ -138,29 +147,37 @@ def test_torch_gathers_save_and_load_vllm_blocks_byte_exact(runtime, kind):
 
 
 @interpreted
-@pytest.mark.parametrize("kind", ["flash", "flashinfer"])
+@pytest.mark.parametrize("kind", ["nhd", "hnd"])
 def test_block_copier_writes_canonical_page_layers(kind):
     """A block copied into a pool page is that page's layer in kvtier's order (K part, V part)."""
     layers, pages = 3, 6
     pool = torch.zeros(layers, 2, pages, BLOCK, HEADS, DIM, dtype=torch.float16)
-    layout = BlockLayout(kind, NUM_BLOCKS, BLOCK, HEADS, DIM)
+    kv = packed_kv(kind, NUM_BLOCKS, BLOCK, HEADS, DIM, torch.float16)
+    kv.copy_(torch.randn(kv.shape).half())
+    layout = block_layout(BACKENDS[kind], kv, HEADS, DIM)
     copier = BlockCopier.for_device_pool(layout, pool)
-    dims = (2, NUM_BLOCKS) if kind == "flash" else (NUM_BLOCKS, 2)
-    kv = torch.randn(*dims, BLOCK, HEADS, DIM).half()
     copier.save(1, [4, 0, 9], [2, 5, 0], kv)
     keys, values = layout.read_blocks(kv, torch.tensor([4, 0, 9]))
     assert torch.equal(pool[1, 0, [2, 5, 0]], keys) and torch.equal(pool[1, 1, [2, 5, 0]], values)
     assert int(pool[[0, 2]].abs().sum()) == 0 and int(pool[1, :, [1, 3, 4]].abs().sum()) == 0
-    back = torch.zeros_like(kv)
+    back = packed_kv(kind, NUM_BLOCKS, BLOCK, HEADS, DIM, torch.float16)
     copier.load(1, [2, 5, 0], [1, 11, 6], back)
     got_k, got_v = layout.read_blocks(back, torch.tensor([1, 11, 6]))
     assert torch.equal(got_k, keys) and torch.equal(got_v, values)
+    untouched = torch.tensor(sorted(set(range(NUM_BLOCKS)) - {1, 11, 6}))
+    assert int(back.index_select(0, untouched).abs().sum()) == 0
 
 
-def test_layer_geometry_spans_the_tensor_exactly():
-    for kind, dims in (("flash", (2, NUM_BLOCKS)), ("flashinfer", (NUM_BLOCKS, 2))):
-        kv = torch.zeros(*dims, BLOCK, HEADS, DIM, dtype=torch.bfloat16)
-        geo = layer_geometry(BlockLayout(kind, NUM_BLOCKS, BLOCK, HEADS, DIM), 2, LAYERS)
-        assert geo.nbytes == kv.numel() * kv.element_size()
-    with pytest.raises(ValueError, match="cpu"):
-        layer_geometry(BlockLayout("cpu", NUM_BLOCKS, BLOCK, HEADS, DIM), 2, LAYERS)
+def test_block_copies_are_checked_before_anything_moves():
+    pool = torch.zeros(LAYERS, 2, 4, BLOCK, HEADS, DIM, dtype=torch.bfloat16)
+    kv = packed_kv("nhd", NUM_BLOCKS, BLOCK, HEADS, DIM, torch.bfloat16)
+    copier = BlockCopier.for_device_pool(block_layout("FLASH_ATTN", kv, HEADS, DIM), pool)
+    with pytest.raises(ValueError, match="out of range"):
+        copier.plan("load", [4], [0])                     # the pool has sub-pages 0..3
+    with pytest.raises(ValueError, match="out of range"):
+        copier.plan("store", [NUM_BLOCKS], [0])
+    with pytest.raises(ValueError, match="twice"):
+        copier.plan("load", [0, 1], [3, 3])
+    cpu = block_layout("CPU_ATTN", torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * DIM), HEADS, DIM)
+    with pytest.raises(ValueError, match="rows"):
+        BlockCopier.for_device_pool(cpu, pool)

@@ -1,10 +1,11 @@
-"""kvtier's vLLM connector, worker half, on a CUDA device: KV in flash-attention's and
-FlashInfer's layouts (GQA, 8 KV heads x 128, bf16 and fp16, 16- and 128-token blocks) is
-saved in the forward with kvtier's transfer kernels, written to kvtier's pinned host tier,
-loaded back from there through kvtier's device pool into fresh tensors at other block ids, and
-compared bit for bit; a prompt saved from one backend loads into the other. Layers scaled down
-to 4 for test time. No vLLM needed; skipped without CUDA (see conftest.py). Run with
-``TRITON_INTERPRET=0`` (conftest otherwise sets it for the CPU)."""
+"""kvtier's vLLM connector, worker half, on a CUDA device: KV in vLLM's packed
+``[blocks, heads, tokens, K|V]`` layout, tokens outer (NHD) and heads outer (HND) in memory
+(GQA, 8 KV heads x 128, bf16 and fp16, 16- and 128-token blocks) is saved in the forward with
+kvtier's row kernel, written to kvtier's pinned host tier, loaded back from there through
+kvtier's device pool into fresh tensors at other block ids, and compared bit for bit; a prompt
+saved from one layout loads into the other. Layers scaled down to 4 for test time. No vLLM
+needed; skipped without CUDA (see conftest.py). Run with ``TRITON_INTERPRET=0`` (conftest
+otherwise sets it for the CPU)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import os
 import pytest
 import torch
 
-from kvtier.integrations.vllm_layout import BlockLayout
-from vllm_copy_support import as_words, make_runtime, round_trip, slots
+from kvtier.integrations.vllm.layout import block_layout
+from vllm_copy_support import BACKENDS, as_words, make_runtime, round_trip, slots
 
 pytestmark = pytest.mark.gpu
 
@@ -42,10 +43,10 @@ def _run(kind_save, kind_load, dtype, block, tail, page=None):
                                             old, new, count - tail, use_kernels=None)
         assert worker.blocks is not None, "the CUDA path must use the transfer kernels"
         assert runtime.counts["load_errors"] == 0
-        save = BlockLayout(kind_save, n, block, HEADS, DIM)
-        load = BlockLayout(kind_load, n, block, HEADS, DIM)
         was, now = slots(old, block, count - tail), slots(new, block, count - tail)
         for name in source:
+            save = block_layout(BACKENDS[kind_save], source[name], HEADS, DIM)
+            load = block_layout(BACKENDS[kind_load], target[name], HEADS, DIM)
             for got, want in zip(load.read(target[name], now.to(device)),
                                  save.read(source[name], was.to(device)), strict=True):
                 assert torch.equal(as_words(got), as_words(want)), name
@@ -59,17 +60,17 @@ def _run(kind_save, kind_load, dtype, block, tail, page=None):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block", [16, 128])
-@pytest.mark.parametrize("kind", ["flash", "flashinfer"])
+@pytest.mark.parametrize("kind", ["nhd", "hnd"])
 def test_vllm_blocks_round_trip_through_the_host_tier_byte_exact(kind, block, dtype):
     _run(kind, kind, dtype, block, tail=1)
 
 
 @pytest.mark.parametrize("block", [16, 128])
 def test_whole_block_loads_are_byte_exact(block):
-    _run("flashinfer", "flashinfer", torch.bfloat16, block, tail=0)
+    _run("hnd", "hnd", torch.bfloat16, block, tail=0)
 
 
-@pytest.mark.parametrize("save_kind,load_kind", [("flash", "flashinfer"), ("flashinfer", "flash")])
+@pytest.mark.parametrize("save_kind,load_kind", [("nhd", "hnd"), ("hnd", "nhd")])
 def test_pages_saved_from_one_backend_load_into_the_other(save_kind, load_kind):
     _run(save_kind, load_kind, torch.bfloat16, 16, tail=5)
 
@@ -99,15 +100,15 @@ def _long_hit_round():
     try:
         tokens = [(13 * i + 5) % 30000 + 5 for i in range(count)]
         handles = []
-        worker, source, target = round_trip(runtime, "flash", "flash", n, device, tokens,
+        worker, source, target = round_trip(runtime, "nhd", "nhd", n, device, tokens,
                                             old, new, count, use_kernels=None,
                                             handles=handles, busy_ms=200.0)
         assert handles[0].start_tokens == 0 and handles[0].tokens == count
         assert handles[0].ticket is not None, "the scheduler half's copy was not left in flight"
         assert worker.blocks is not None
-        layout = BlockLayout("flash", n, block, HEADS, DIM)
         was, now = slots(old, block, count).to(device), slots(new, block, count).to(device)
         for name in source:
+            layout = block_layout("FLASH_ATTN", source[name], HEADS, DIM)
             for got, want in zip(layout.read(target[name], now), layout.read(source[name], was),
                                  strict=True):
                 assert torch.equal(as_words(got), as_words(want)), name
@@ -115,6 +116,6 @@ def _long_hit_round():
         runtime.close(10.0)
 
 
-@pytest.mark.parametrize("kind", ["flash", "flashinfer"])
+@pytest.mark.parametrize("kind", ["nhd", "hnd"])
 def test_128_token_pages_move_whole_16_token_blocks_byte_exact(kind):
     _run(kind, kind, torch.bfloat16, 16, tail=3, page=128)

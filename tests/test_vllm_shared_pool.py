@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kvtier.errors import ConfigError, LayoutMismatch
-from kvtier.integrations.vllm_runtime import ModelShape
-from kvtier.integrations.vllm_shared_pool import PoolRef, SharedPool, attach, remove_stale
+from kvtier.integrations.vllm.runtime import ModelShape
+from kvtier.integrations.vllm.shared_pool import PoolRef, SharedPool, attach, remove_stale
 from kvtier.layout import KVLayout
 from kvtier.memory.device_pool import DevicePool
 

@@ -15,14 +15,17 @@ from typing import Any
 
 import torch
 
-from kvtier.integrations.vllm_options import parse_connector_config
-from kvtier.integrations.vllm_runtime import ConnectorRuntime, ModelShape, _build_cache_here
-from kvtier.integrations.vllm_saver import Saver
-from kvtier.integrations.vllm_specs import LoadSpec, SaveSpec
-from kvtier.integrations.vllm_worker import WorkerSide
+from kvtier.integrations.vllm.options import parse_connector_config
+from kvtier.integrations.vllm.runtime import ConnectorRuntime, ModelShape, _build_cache_here
+from kvtier.integrations.vllm.saver import Saver
+from kvtier.integrations.vllm.specs import LoadSpec, SaveSpec
+from kvtier.integrations.vllm.worker import WorkerSide
 from kvtier.keys import KeyNamespace
 
-BACKENDS = {"flash": "FLASH_ATTN", "flashinfer": "FLASHINFER", "cpu": "CPU_ATTN"}
+#: Test layouts: vLLM's logical ``[blocks, heads, tokens, 2 * head_dim]`` with tokens outer in
+#: memory (``nhd``, vLLM's default), heads outer (``hnd``), or the CPU backend's blocks (``cpu``).
+#: ``tests/vllm_suite/test_layout.py`` holds the same reads against vLLM's own allocation.
+BACKENDS = {"nhd": "FLASH_ATTN", "hnd": "FLASHINFER", "cpu": "CPU_ATTN"}
 
 
 @dataclass
@@ -51,22 +54,28 @@ def make_runtime(layers: int, heads: int, dim: int, dtype: torch.dtype, block: i
     return ConnectorRuntime(options, shape, cache, namespace, saver)
 
 
+def packed_kv(kind: str, num_blocks: int, block: int, heads: int, dim: int,
+              dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
+    """A zeroed ``[num_blocks, heads, block, 2 * dim]`` tensor in ``kind``'s memory order."""
+    if kind == "nhd":
+        return torch.zeros(num_blocks, block, heads, 2 * dim, dtype=dtype,
+                           device=device).permute(0, 2, 1, 3)
+    return torch.zeros(num_blocks, heads, block, 2 * dim, dtype=dtype, device=device)
+
+
 def vllm_caches(runtime: ConnectorRuntime, kind: str, num_blocks: int, device: str,
                 seed: int | None) -> dict[str, torch.Tensor]:
     """One tensor per layer in ``kind``'s layout: random bits (``seed``) or zeros (None)."""
     s = runtime.shape
-    b, h, d = s.block_size, s.kv_heads, s.head_dim
-    dims = {"flash": (2, num_blocks, b, h, d), "flashinfer": (num_blocks, 2, b, h, d),
-            "cpu": (num_blocks, h, b, 2 * d)}[kind]
     dtype = getattr(torch, s.dtype)
     g = torch.Generator().manual_seed(seed or 0)
     out = {}
     for name in s.layer_names:
-        if seed is None:
-            out[name] = torch.zeros(dims, dtype=dtype, device=device)
-        else:
-            bits = torch.randint(-2**15, 2**15, dims, dtype=torch.int16, generator=g)
-            out[name] = bits.view(dtype).to(device)
+        kv = packed_kv(kind, num_blocks, s.block_size, s.kv_heads, s.head_dim, dtype, device)
+        if seed is not None:
+            bits = torch.randint(-2**15, 2**15, kv.shape, dtype=torch.int16, generator=g)
+            kv.copy_(bits.view(dtype))
+        out[name] = kv
     return out
 
 

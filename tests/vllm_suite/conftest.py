@@ -16,7 +16,7 @@ import pytest
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 # The engine core (and so the connector's scheduler half and its counters) runs in the process
-# that builds the engine; a single CPU worker then runs there too (``vllm_runtime``).
+# that builds the engine; a single CPU worker then runs there too (``integrations.vllm.runtime``).
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/redis_server.py

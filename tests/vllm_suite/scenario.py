@@ -68,7 +68,7 @@ class _Counter:
 
 def _connector_stats() -> dict[str, Any]:
     try:
-        from kvtier.integrations.vllm_runtime import runtimes
+        from kvtier.integrations.vllm.runtime import runtimes
     except ImportError:
         return {}
     found = runtimes()
@@ -188,7 +188,7 @@ def _act(action: dict[str, Any]) -> dict[str, Any]:
         os.kill(int(action["kill_pid"]), 9)
         time.sleep(0.2)
     if action.get("drain_connector"):
-        from kvtier.integrations.vllm_runtime import runtimes
+        from kvtier.integrations.vllm.runtime import runtimes
 
         done = all(r.drain(float(action["drain_connector"])) for r in runtimes())
     return {"done": done, "seconds": time.perf_counter() - started,

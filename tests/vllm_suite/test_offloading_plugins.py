@@ -20,7 +20,7 @@ from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 CHUNKS, CHUNK_BYTES = 8, 4096
-TIER = {"type": "KvtierSecondaryTier", "module_path": "kvtier.integrations.vllm_tiers"}
+TIER = {"type": "KvtierSecondaryTier", "module_path": "kvtier.integrations.vllm.tiers"}
 CTX = ReqContext(req_id="r0")
 
 
@@ -86,7 +86,7 @@ def test_a_tier_without_a_url_is_refused_at_start(pool):
 
 def _manager(chunks: int) -> CPUOffloadingManager:
     return CPUOffloadingManager(chunks, cache_policy="KvtierLRFU",
-                                cache_policy_module_path="kvtier.integrations.vllm_policy")
+                                cache_policy_module_path="kvtier.integrations.vllm.policy")
 
 
 def _store(manager: CPUOffloadingManager, keys: list[bytes]):
@@ -121,7 +121,7 @@ def test_an_eviction_that_cannot_be_met_changes_nothing():
     from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
     from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
 
-    cls = CachePolicyFactory.get_cache_policy_cls("KvtierLRFU", "kvtier.integrations.vllm_policy")
+    cls = CachePolicyFactory.get_cache_policy_cls("KvtierLRFU", "kvtier.integrations.vllm.policy")
     policy = cls(cache_capacity=4)
     a, b = _keys("a", "b")
     for i, key in enumerate((a, b)):

@@ -23,10 +23,10 @@ from scheduler_harness import (
     runner_output,
 )
 
-from kvtier.integrations.vllm_layout import BlockLayout
-from kvtier.integrations.vllm_rank_steps import KvtierWorkerMeta
-from kvtier.integrations.vllm_rank_worker import RankWorker
-from kvtier.integrations.vllm_runtime import RankRuntime
+from kvtier.integrations.vllm.layout import BlockLayout
+from kvtier.integrations.vllm.rank_steps import KvtierWorkerMeta
+from kvtier.integrations.vllm.rank_worker import RankWorker
+from kvtier.integrations.vllm.runtime import RankRuntime
 
 BLOCK = 32
 NUM_BLOCKS = 64

@@ -52,7 +52,7 @@ def scheduler(tiny_model: Path, tmp_path: Path):
 
 
 def _worker(runtime):
-    from kvtier.integrations.vllm_worker import WorkerSide
+    from kvtier.integrations.vllm.worker import WorkerSide
 
     worker = WorkerSide(runtime)
     kv = {n: torch.randn(256, KV_HEADS, BLOCK, 2 * HEAD_DIM) for n in runtime.shape.layer_names}
@@ -121,7 +121,7 @@ def test_a_request_whose_save_already_copied_frees_its_blocks_at_once(scheduler)
 
 
 def test_a_full_save_queue_drops_the_save_counts_it_and_holds_no_blocks(tiny_model, tmp_path):
-    from kvtier.integrations.vllm_scheduler import KvtierConnectorMetadata, SaveSpec
+    from kvtier.integrations.vllm.scheduler import KvtierConnectorMetadata, SaveSpec
 
     sched = _scheduler(tiny_model, tmp_path, save_queue_depth=1)
     runtime = sched.connector.runtime
@@ -144,7 +144,7 @@ def test_a_full_save_queue_drops_the_save_counts_it_and_holds_no_blocks(tiny_mod
 
 
 def test_cancelling_a_preempted_save_waits_out_the_layer_being_copied(scheduler):
-    from kvtier.integrations.vllm_scheduler import KvtierConnectorMetadata, SaveSpec
+    from kvtier.integrations.vllm.scheduler import KvtierConnectorMetadata, SaveSpec
 
     runtime = scheduler.connector.runtime
     worker = _worker(runtime)
@@ -177,7 +177,7 @@ def test_cancelling_a_preempted_save_waits_out_the_layer_being_copied(scheduler)
 
 
 def test_a_prompt_kvtier_holds_on_some_tier_is_not_copied_again(scheduler):
-    from kvtier.integrations.vllm_scheduler import KvtierConnectorMetadata, SaveSpec
+    from kvtier.integrations.vllm.scheduler import KvtierConnectorMetadata, SaveSpec
 
     runtime = scheduler.connector.runtime
     worker = _worker(runtime)
@@ -237,7 +237,7 @@ def test_a_finished_requests_generated_pages_are_stored_with_its_prompt(schedule
 
 
 def test_the_saver_runs_torch_ops_on_its_own_thread_and_leaves_other_threads_counts():
-    from kvtier.integrations.vllm_saver import Saver
+    from kvtier.integrations.vllm.saver import Saver
 
     before = torch.get_num_threads()
     saver = Saver(depth=2, priority="normal")

@@ -22,7 +22,7 @@ from scheduler_harness import (
 )
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm_scheduler import TIER_SOURCES
+from kvtier.integrations.vllm.scheduler import TIER_SOURCES
 
 BLOCK = 32
 pytestmark = pytest.mark.timeout(600)
@@ -134,7 +134,7 @@ def test_a_malformed_kvtier_cache_param_is_counted_and_ignored(scheduler):
 
 
 def test_a_lost_staged_load_is_reported_and_vllm_recomputes_it(tiny_model, tmp_path):
-    from kvtier.integrations.vllm_worker import WorkerSide
+    from kvtier.integrations.vllm.worker import WorkerSide
 
     config = make_vllm_config(tiny_model, {"disk_url": f"file://{tmp_path / 'disk'}",
                                            "host_pool_bytes": "8MiB"},
@@ -265,9 +265,9 @@ def test_an_unknown_connector_setting_is_refused_at_start(tiny_model):
 
 
 def test_rows_saved_from_vllm_blocks_load_back_into_other_blocks_exactly(scheduler):
-    from kvtier.integrations.vllm_layout import BlockLayout
-    from kvtier.integrations.vllm_scheduler import KvtierConnectorMetadata, LoadSpec, SaveSpec
-    from kvtier.integrations.vllm_worker import WorkerSide
+    from kvtier.integrations.vllm.layout import BlockLayout
+    from kvtier.integrations.vllm.scheduler import KvtierConnectorMetadata, LoadSpec, SaveSpec
+    from kvtier.integrations.vllm.worker import WorkerSide
 
     runtime = scheduler.connector.runtime
     worker = WorkerSide(runtime)

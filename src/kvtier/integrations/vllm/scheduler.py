@@ -1,7 +1,7 @@
 """The scheduler half of kvtier's vLLM connector: which tokens to load and which to store.
 
 Owns ``SchedulerSide`` and the per-step ``KvtierConnectorMetadata`` it builds (``LoadSpec``
-and ``SaveSpec``, defined in ``vllm_specs``). Runs on vLLM's scheduling thread, over request
+and ``SaveSpec``, defined in ``specs``). Runs on vLLM's scheduling thread, over request
 ids, token ids and block ids only.
 
 A hit is claimed only once it can be delivered: ``get_num_new_matched_tokens`` matches the
@@ -45,23 +45,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtier.integrations.vllm_rank_steps import RankedSteps
-from kvtier.integrations.vllm_runtime import ConnectorRuntime
-from kvtier.integrations.vllm_shared_pool import PoolRef
-from kvtier.integrations.vllm_specs import LoadSpec, SaveSpec
+from kvtier.integrations.vllm.compat import hit_source
+from kvtier.integrations.vllm.rank_steps import RankedSteps
+from kvtier.integrations.vllm.runtime import ConnectorRuntime
+from kvtier.integrations.vllm.shared_pool import PoolRef
+from kvtier.integrations.vllm.specs import LoadSpec, SaveSpec
 
 __all__ = ["KvtierConnectorMetadata", "LoadSpec", "SaveSpec", "SchedulerSide"]
 
 #: ``_stage``'s answer while a store's part of the hit lands (the request waits a step).
 LANDING = object()
 
-#: Which vLLM hit source each kvtier tier reports as (kvtier's staging pages are host memory).
-TIER_SOURCES: dict[str, CacheHitSource] = {
-    "device": CacheHitSource.HOST, "host": CacheHitSource.HOST,
-    "disk": CacheHitSource.DISK, "remote": CacheHitSource.EXTERNAL_UNSPECIFIED,
-}
+#: Which vLLM hit source each kvtier tier reports as (kvtier's staging pages are host memory);
+#: None before vLLM 0.32, which asks a connector for no hit sources.
+TIER_SOURCES: dict[str, Any] = {tier: hit_source(tier)
+                                for tier in ("device", "host", "disk", "remote")}
 
 
 #: A request's ``kv_transfer_params`` key: False keeps kvtier out of that request.
@@ -74,7 +73,7 @@ class KvtierConnectorMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
     #: Requests vLLM preempted this step: their blocks are reused before the forward.
     preempted: list[str] = field(default_factory=list)
-    #: Workers in processes of their own (``vllm_rank_steps``): the step's number, the shared
+    #: Workers in processes of their own (``rank_steps``): the step's number, the shared
     #: staging pool, and finished requests whose blocks vLLM keeps until this step's copies.
     step: int = 0
     pool: PoolRef | None = None
@@ -86,7 +85,7 @@ class _Tracked:
     request: Any
     blocks: list[int] = field(default_factory=list)
     claim: tuple[int, int] | None = None           # tokens [start, end) claimed from kvtier
-    sources: dict[CacheHitSource, int] = field(default_factory=dict)
+    sources: dict[Any, int] = field(default_factory=dict)
     stored: bool = False
     held: int = 0                                  # prompt tokens kvtier staged (it holds them)
     off: bool = False                              # the request opted out of kvtier
@@ -185,14 +184,14 @@ class SchedulerSide:
         return not value
 
     def get_external_cache_hit_sources(self, request: Any,
-                                       num_external_tokens: int) -> dict[CacheHitSource, int]:
+                                       num_external_tokens: int) -> dict[Any, int]:
         tracked = self._tracked.get(request.request_id)
+        unspecified = TIER_SOURCES["remote"]
         if not num_external_tokens or tracked is None or not tracked.sources:
-            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens} \
-                if num_external_tokens else {}
+            return {unspecified: num_external_tokens} if num_external_tokens else {}
         if sum(tracked.sources.values()) == num_external_tokens:
             return dict(tracked.sources)
-        return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+        return {unspecified: num_external_tokens}
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         tracked = self._tracked.setdefault(request.request_id, _Tracked(request))
@@ -302,9 +301,9 @@ class SchedulerSide:
         return False
 
 
-def _sources(tokens_by_tier: dict[str, int], start: int, end: int) -> dict[CacheHitSource, int]:
+def _sources(tokens_by_tier: dict[str, int], start: int, end: int) -> dict[Any, int]:
     """Tokens of ``[start, end)`` by the vLLM hit source of the tier that held them."""
-    out: dict[CacheHitSource, int] = {}
+    out: dict[Any, int] = {}
     at = 0
     for tier in ("device", "host", "disk", "remote"):
         span = tokens_by_tier.get(tier, 0)

@@ -22,7 +22,7 @@ from typing import Any
 
 from kvtier.config import KvtierConfig, StoreConfig, build_config
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm_saver import check_priority
+from kvtier.integrations.vllm.saver import check_priority
 
 STORE_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(StoreConfig))
 

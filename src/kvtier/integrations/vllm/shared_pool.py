@@ -5,7 +5,7 @@ engine-core process's ``TieredCache`` (``[layers, K|V, pages, page_size, kv_head
 every KV head of the model), and ``PoolRef``, the picklable name a step's metadata carries so
 that each worker maps the same bytes (``attach``). The scheduler stages verified hits into it
 and the workers copy their head slice out of it; the workers fill their head slice of a save
-into it and the scheduler commits it (``vllm_ranks``).
+into it and the scheduler commits it (``rank_worker``).
 
 The file is reserved in full at creation (``posix_fallocate``): a ``/dev/shm`` too small for it
 is refused at start naming the setting, never met later as a bus error in the middle of a copy.

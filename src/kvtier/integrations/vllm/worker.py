@@ -10,12 +10,12 @@ Owns ``WorkerSide``. Runs on vLLM's model-runner thread, inside the forward:
   wait for that layer of the host -> staging copy the scheduler left in flight, and the step
   for the whole copies of loads staged for later steps, whose pages other requests may already
   be served from; a finished load whose copy has not landed is released at a later step,
-  never waited for on the host): on CUDA with flash-attention's or FlashInfer's layout and
-  kvtier pages a whole number of vLLM's blocks, whole blocks with kvtier's transfer kernels
-  (``vllm_blocks``, one launch per layer and request) and only the rows of partly loaded blocks
+  never waited for on the host): on CUDA, with a layout whose head rows are contiguous and
+  kvtier pages a whole number of vLLM's blocks, whole blocks with kvtier's row kernel
+  (``blocks``, one launch per layer and request) and only the rows of partly loaded blocks
   by slot; otherwise every row by slot (torch gathers);
 - ``wait_for_save`` hands the step's saves (prompts whose prefill completed) to the runtime's
-  saver thread (``vllm_saver``), which copies their rows out of vLLM's blocks and commits them
+  saver thread (``saver``), which copies their rows out of vLLM's blocks and commits them
   to the ``TieredCache`` after the step, at idle CPU priority; vLLM keeps a finished request's
   blocks until its copy is over (``get_finished``), and ``handle_preemptions`` stops copies of
   blocks vLLM is about to reuse. On CUDA ``save_kv_layer(layer)`` copies each layer's rows in
@@ -25,7 +25,7 @@ Owns ``WorkerSide``. Runs on vLLM's model-runner thread, inside the forward:
 
 A load whose staged pages are gone reports its blocks through ``get_block_ids_with_load_errors``
 (vLLM then recomputes them, or fails the request under the ``fail`` policy). Rows are in
-kvtier's canonical order (``vllm_layout``), so stored pages do not depend on the attention
+kvtier's canonical order (``layout``), so stored pages do not depend on the attention
 backend.
 """
 
@@ -38,15 +38,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kvtier.integrations.vllm_blocks import BlockCopier, block_view, kernels_fit
-from kvtier.integrations.vllm_layout import BlockLayout, registered_layout
-from kvtier.integrations.vllm_runtime import ConnectorRuntime
-from kvtier.integrations.vllm_saves import PromptSave, SaveCopier
-from kvtier.integrations.vllm_specs import LoadSpec
+from kvtier.integrations.vllm.blocks import BlockCopier, block_view, kernels_fit
+from kvtier.integrations.vllm.layout import BlockLayout, registered_layout
+from kvtier.integrations.vllm.runtime import ConnectorRuntime
+from kvtier.integrations.vllm.saves import PromptSave, SaveCopier
+from kvtier.integrations.vllm.specs import LoadSpec
 from kvtier.transfer.plan import CopyPlan
 
 if TYPE_CHECKING:
-    from kvtier.integrations.vllm_scheduler import KvtierConnectorMetadata
+    from kvtier.integrations.vllm.scheduler import KvtierConnectorMetadata
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class WorkerSide:
         #: Saves copy inside the forward on CUDA (stream-ordered); elsewhere the saver does.
         self.copy_in_forward = copy_in_forward
         self.copier: SaveCopier | None = None
-        #: Whole blocks move with kvtier's transfer kernels (``vllm_blocks``) where the layout
+        #: Whole blocks move with kvtier's transfer kernels (``blocks``) where the layout
         #: allows; None: on CUDA only (tests pass True to run them under TRITON_INTERPRET=1).
         self.use_kernels = use_kernels
         self.blocks: BlockCopier | None = None
@@ -96,7 +96,7 @@ class WorkerSide:
                            cpu_write_op: Any = None) -> None:
         shape = self.runtime.shape
         layout = registered_layout(kv_caches, shape.layer_names, backend, shape.kv_heads,
-                                   shape.head_dim, cpu_write_op)
+                                   shape.head_dim, cpu_write_op, shape.block_size)
         first = kv_caches[shape.layer_names[0]]
         self.kv_caches = {name: kv_caches[name] for name in shape.layer_names}
         self.layout = layout
@@ -108,8 +108,9 @@ class WorkerSide:
                        if wanted and fits else None)
         self.copier = SaveCopier(self.runtime, self.kv_caches, layout, self.blocks)
         self.runtime.saver.copier = self.copier
-        log.info("kvtier connector: %s KV layout, %d blocks of %d tokens, copies by %s",
-                 layout.kind, layout.num_blocks, layout.block_size,
+        log.info("kvtier connector: %s KV layout (%s), %d blocks of %d tokens, copies by %s",
+                 layout.kind, layout.name or "vLLM's CPU blocks", layout.num_blocks,
+                 layout.block_size,
                  "transfer kernels" if self.blocks is not None else "torch gathers")
 
     # ---- loads -----------------------------------------------------------------------------
@@ -220,6 +221,7 @@ class WorkerSide:
         self._loads = []
         saver = self.runtime.saver
         if self.copy_in_forward:
+            self._copy_hidden_save_layers(meta)
             ready = torch.cuda.Event() if self._saves else None
             if ready is not None:
                 ready.record()
@@ -236,6 +238,22 @@ class WorkerSide:
         self._landing.extend(loads.values())
         self._release_landed()
         self._saves, self._saves_for = [], None
+
+    def _copy_hidden_save_layers(self, meta: KvtierConnectorMetadata | None) -> None:
+        """Copy the layers of the step's saves that no ``save_kv_layer`` copied: all of them
+        when a full CUDA graph replayed the forward (vLLM calls no layer hook inside one)."""
+        if meta is not None and meta is not self._saves_for:
+            self._saves_for = meta
+            self._saves = [s for s in map(self.copier.plan, meta.saves) if s is not None]
+        for save in self._saves:
+            for layer in range(save.layers_copied, self.copier.num_layers):
+                self.copier.copy_layer(save, layer)
+
+    def load_all_layers(self) -> None:
+        """Copy every layer of the step's loads now, before the forward: a full CUDA graph
+        replays the forward without calling ``wait_for_layer_load``."""
+        for name in self.runtime.shape.layer_names:
+            self.wait_for_layer_load(name)
 
     def _release_landed(self) -> None:
         """Release finished loads whose copy has landed; keep the others for a later step."""

@@ -1,8 +1,8 @@
 """The worker half of kvtier's vLLM connector in a worker process of its own (a TP rank).
 
 Owns ``RankWorker``. The cache is in the engine-core process; this rank maps its staging pool
-(``vllm_shared_pool``, named by each step's metadata) and copies its KV heads' slice
-(``ModelShape.rank_heads``) of the pages the step names (``vllm_rank_steps``):
+(``shared_pool``, named by each step's metadata) and copies its KV heads' slice
+(``ModelShape.rank_heads``) of the pages the step names (``rank_steps``):
 
 - loads: ``wait_for_layer_load(layer)`` copies that layer's rows of the staged pages into vLLM's
   blocks just before its attention runs (the pages were read and verified before the scheduler
@@ -27,11 +27,11 @@ from typing import Any
 
 import torch
 
-from kvtier.integrations.vllm_layout import BlockLayout, registered_layout
-from kvtier.integrations.vllm_rank_steps import KvtierWorkerMeta
-from kvtier.integrations.vllm_runtime import RankRuntime
-from kvtier.integrations.vllm_shared_pool import PoolRef, attach
-from kvtier.integrations.vllm_specs import LoadSpec, SaveSpec
+from kvtier.integrations.vllm.layout import BlockLayout, registered_layout
+from kvtier.integrations.vllm.rank_steps import KvtierWorkerMeta
+from kvtier.integrations.vllm.runtime import RankRuntime
+from kvtier.integrations.vllm.shared_pool import PoolRef, attach
+from kvtier.integrations.vllm.specs import LoadSpec, SaveSpec
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class RankWorker:
         shape = self.runtime.shape
         layout = registered_layout(kv_caches, shape.layer_names, backend,
                                    shape.rank_kv_heads or shape.kv_heads, shape.head_dim,
-                                   cpu_write_op)
+                                   cpu_write_op, shape.block_size)
         self.kv_caches = [kv_caches[name] for name in shape.layer_names]
         self.layout = layout
         log.info("kvtier connector rank %d: %s KV layout, heads [%d, %d) of %d, copies through "
@@ -107,6 +107,13 @@ class RankWorker:
             self.layout.write(kv, move.slots.to(kv.device), keys.to(kv.device),
                               values.to(kv.device))
         self._copied.add(layer)
+
+    def load_all_layers(self) -> None:
+        """Copy every layer of the step's loads before the forward (a full CUDA graph replays
+        it without calling ``wait_for_layer_load``)."""
+        for layer in range(len(self.kv_caches)):
+            if self._loads and layer not in self._copied:
+                self._copy_loads(layer)
 
     def save_kv_layer(self, meta: Any, layer_name: str, kv_layer: torch.Tensor) -> None:
         """Nothing: a rank copies its saves after the forward (``wait_for_save``)."""

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvtier.integrations.sglang_pages import PoolPages
-from kvtier.integrations.sglang_tiers import TierChain
+from kvtier.integrations.sglang.pages import PoolPages
+from kvtier.integrations.sglang.tiers import TierChain
 
 _ALIGN = 4096
 

@@ -2,7 +2,7 @@
 
 Owns ``Saver``. The model runner ``submit``s a ``SaveSpec`` (a prompt whose prefill completed)
 or a ``PromptSave`` already copied by the forward (CUDA); the saver thread plans, copies layer by
-layer and commits it through the bound ``SaveCopier`` (``vllm_saves``). The queue is bounded
+layer and commits it through the bound ``SaveCopier`` (``saves``). The queue is bounded
 (``save_queue_depth``): past it a save is dropped and counted, never waited for. The thread
 lowers itself to ``SCHED_IDLE`` (``background_priority: idle``) before anything else, and
 ``call`` runs the cache's construction on it, so kvtier's IO threads inherit that class too:

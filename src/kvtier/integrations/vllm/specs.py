@@ -1,13 +1,13 @@
 """What one step asks the worker half of kvtier's vLLM connector to move (no vLLM import).
 
 Owns ``LoadSpec`` and ``SaveSpec``, the entries of a step's ``KvtierConnectorMetadata``
-(``vllm_scheduler``). They hold request ids, token ids and block ids only; the scheduler half
+(``scheduler``). They hold request ids, token ids and block ids only; the scheduler half
 builds them on vLLM's scheduling thread and the worker half reads them on the model runner.
 Kept apart from the scheduler so that the worker half, its copies and their tests run on plain
 tensors without vLLM installed (any object with ``loads``, ``saves`` and ``preempted`` lists
 serves as a step's metadata there).
 
-When the workers run in processes of their own (``vllm_ranks``), a spec also names the pages
+When the workers run in processes of their own (``rank_worker``), a spec also names the pages
 of kvtier's shared staging pool to read or fill (``pages``), since a worker cannot look up what
 the scheduler staged.
 """

@@ -1,16 +1,16 @@
 """The scheduler's bookkeeping of steps run by workers in processes of their own.
 
 Owns ``RankedSteps`` and ``KvtierWorkerMeta``. With vLLM's workers in their own processes
-(``vllm_runtime.workers_in_own_processes``: tensor parallelism, or the CPU backend with
+(``runtime.workers_in_own_processes``: tensor parallelism, or the CPU backend with
 multiprocessing on) kvtier's cache stays in the engine-core process and its staging pool lives
-in shared memory (``vllm_shared_pool``). Each step's metadata then names the pool pages
+in shared memory (``shared_pool``). Each step's metadata then names the pool pages
 itself, since a worker cannot look up what the scheduler staged:
 
 - a load's ``LoadSpec.pages`` are the staged, verified pages of its hit; they stay pinned until
   every rank has said it ran the step;
 - a save is planned here (``SaveCopier.plan``: staging pages, pages kvtier holds reused) and
   its ``SaveSpec.pages`` tell each rank where to put its heads; it is committed (on the saver
-  thread, ``vllm_saver``) once every rank has said it copied them;
+  thread, ``saver``) once every rank has said it copied them;
 - a finished request whose output filled more pages keeps its blocks (``request_finished``
   answers True) until the step that copies them: each rank reports it done in that step
   (``held``), and vLLM frees the blocks once all have.
@@ -30,9 +30,9 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
-from kvtier.integrations.vllm_runtime import ConnectorRuntime
-from kvtier.integrations.vllm_saves import PromptSave, SaveCopier
-from kvtier.integrations.vllm_specs import LoadSpec, SaveSpec
+from kvtier.integrations.vllm.runtime import ConnectorRuntime
+from kvtier.integrations.vllm.saves import PromptSave, SaveCopier
+from kvtier.integrations.vllm.specs import LoadSpec, SaveSpec
 
 
 @dataclass

@@ -8,7 +8,7 @@ segments, verification, eviction, timeouts and breaker). Load it with::
     "kv_connector": "OffloadingConnector", "kv_connector_extra_config": {
       "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 8000000000,
       "secondary_tiers": [{"type": "KvtierSecondaryTier",
-                           "module_path": "kvtier.integrations.vllm_tiers",
+                           "module_path": "kvtier.integrations.vllm.tiers",
                            "url": "file:///nvme/kvtier", "max_bytes": "500GiB"}]}
 
 A chunk is stored as vLLM's pool lays it out (opaque bytes, not kvtier's canonical page), named
@@ -30,13 +30,18 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import numpy as np
-from vllm.v1.kv_offload.base import LookupResult, Medium, RequestOffloadingContext
-from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.config import parse_size
 from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.compat import require_offloading_plugins
 from kvtier.store import open_store
+
+require_offloading_plugins()      # before the vLLM imports, which need its tiering API
+
+# ruff: noqa: E402  (vLLM's imports follow the version check above)
+from vllm.v1.kv_offload.base import LookupResult, Medium, RequestOffloadingContext
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 log = logging.getLogger(__name__)
 

@@ -6,16 +6,16 @@ Owns ``PromptSave`` (one prompt being stored) and ``SaveCopier`` (the tensor wor
   device tier yet (pages it holds there are reused), and skips the prompt outright when kvtier
   already holds every full page on some tier (no copy, no commit: counted ``saves_skipped_held``);
 - ``copy_layer(save, layer)`` gathers that layer's rows by slot from vLLM's KV tensor into the
-  staging pages, in kvtier's canonical row order (``vllm_layout``): per layer and prompt one
-  launch of kvtier's transfer kernel over whole blocks where ``vllm_blocks`` applies (CUDA,
-  flash-attention or FlashInfer layout, page size a multiple of the block size); else, on the
+  staging pages, in kvtier's canonical row order (``layout``): per layer and prompt one
+  launch of kvtier's transfer kernel over whole blocks where ``blocks`` applies (CUDA,
+  a vLLM layout whose head rows are contiguous, page size a multiple of the block size); else, on the
   CPU with whole blocks, one copy per block straight into its page; else one gather and one
   scatter (of whole blocks when the page size is a multiple of the block size, else of token
   rows);
 - ``commit(save)`` hands the pages to ``TieredCache.commit`` (write policy: host copy, store
   backups on kvtier's IO threads) and records the KV event; ``abandon(save)`` frees them.
 
-Which thread calls what is the caller's business (``vllm_saver``): on the CPU the background
+Which thread calls what is the caller's business (``saver``): on the CPU the background
 saver thread does all three, on CUDA the forward copies (stream-ordered, cheap) and the saver
 commits. Every cache call takes the runtime's lock; the copies do not, since staging pages
 handed out by ``allocate`` belong to the save until it commits or abandons them.
@@ -30,10 +30,10 @@ from typing import Any
 import torch
 
 from kvtier.errors import KvtierError
-from kvtier.integrations.vllm_blocks import BlockCopier, block_view, sub_pages
-from kvtier.integrations.vllm_layout import BlockLayout
-from kvtier.integrations.vllm_runtime import ConnectorRuntime
-from kvtier.integrations.vllm_specs import SaveSpec
+from kvtier.integrations.vllm.blocks import BlockCopier, block_view, sub_pages
+from kvtier.integrations.vllm.layout import BlockLayout
+from kvtier.integrations.vllm.runtime import ConnectorRuntime
+from kvtier.integrations.vllm.specs import SaveSpec
 
 
 @dataclass(eq=False)
@@ -46,7 +46,7 @@ class PromptSave:
     page_ids: list[int]                # every full page, in prefix order
     fresh: list[int]                   # the staging pages this save allocated
     #: With kvtier pages a whole number of vLLM's blocks: the blocks and the sub-pages
-    #: (``vllm_blocks.block_view``) they fill, so a layer moves as whole blocks
+    #: (``blocks.block_view``) they fill, so a layer moves as whole blocks
     #: (``rows``/``slots`` serve any other page size).
     blocks: torch.Tensor | None = None
     pages: torch.Tensor | None = None
@@ -67,7 +67,7 @@ class SaveCopier:
 
     def __init__(self, runtime: ConnectorRuntime, kv_caches: dict[str, torch.Tensor] | None,
                  layout: BlockLayout | None, blocks: BlockCopier | None = None) -> None:
-        """``kv_caches`` None: the copies run in worker processes (``vllm_rank_steps`` plans
+        """``kv_caches`` None: the copies run in worker processes (``rank_steps`` plans
         and commits through this copier, and never calls ``copy_layer``)."""
         self.runtime = runtime
         names = runtime.shape.layer_names

@@ -1,4 +1,4 @@
-"""kvtier as a vLLM 0.32 KV connector: ``KvtierConnector`` (``KVConnectorBase_V1``).
+"""kvtier as a vLLM KV connector (vLLM 0.26 to 0.33): ``KvtierConnector`` (``KVConnectorBase_V1``).
 
 Load it with (see README, "vLLM")::
 
@@ -7,11 +7,11 @@ Load it with (see README, "vLLM")::
       "kv_connector_extra_config": {"disk_url": "file:///nvme/kvtier"}}'
 
 vLLM builds one instance per role with ``(vllm_config, role, kv_cache_config)``. Both share one
-``ConnectorRuntime`` (``vllm_runtime``: the ``TieredCache``, checks of the model and the
+``ConnectorRuntime`` (``runtime``: the ``TieredCache``, checks of the model and the
 parallel setup, refusals at start); the scheduler role delegates to ``SchedulerSide``
-(``vllm_scheduler``), the worker role to ``WorkerSide`` (``vllm_worker``), or, for a worker
-in a process of its own (a TP rank), to ``RankWorker`` (``vllm_rank_worker``). Options:
-``vllm_options``; KV tensor layouts: ``vllm_layout``; events: ``vllm_events``. Each method runs
+(``scheduler``), the worker role to ``WorkerSide`` (``worker``), or, for a worker
+in a process of its own (a TP rank), to ``RankWorker`` (``rank_worker``). Options:
+``options``; KV tensor layouts: ``layout``; events: ``events``. Each method runs
 on the thread vLLM calls it from (scheduling loop or model runner).
 """
 
@@ -28,11 +28,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvtier.integrations.vllm_options import parse_connector_config
-from kvtier.integrations.vllm_rank_worker import RankWorker
-from kvtier.integrations.vllm_runtime import RankRuntime, runtime_for
-from kvtier.integrations.vllm_scheduler import KvtierConnectorMetadata, SchedulerSide
-from kvtier.integrations.vllm_worker import WorkerSide
+from kvtier.integrations.vllm import compat
+from kvtier.integrations.vllm.options import parse_connector_config
+from kvtier.integrations.vllm.rank_worker import RankWorker
+from kvtier.integrations.vllm.runtime import RankRuntime, runtime_for
+from kvtier.integrations.vllm.scheduler import KvtierConnectorMetadata, SchedulerSide
+from kvtier.integrations.vllm.worker import WorkerSide
 
 __all__ = ["KvtierConnector", "KvtierConnectorMetadata"]
 
@@ -42,6 +43,7 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        compat.check_version()
         block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
         options = parse_connector_config(
             self._kv_transfer_config.kv_connector_extra_config, block_size)
@@ -59,7 +61,8 @@ class KvtierConnector(KVConnectorBase_V1):
 
     # ---- worker side -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        backend, write_op = _attention_backend(self._vllm_config, self.runtime)
+        backend, write_op = _attention_backend(self._vllm_config, self._kv_cache_config,
+                                               self.runtime, kv_caches)
         self.worker.register_kv_caches(kv_caches, backend, write_op)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
@@ -71,6 +74,8 @@ class KvtierConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvtierConnectorMetadata)
         self.worker.start_load_kv(meta)
+        if compat.graph_hides_layers(forward_context):
+            self.worker.load_all_layers()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self.worker.wait_for_layer_load(layer_name)
@@ -125,16 +130,27 @@ class KvtierConnector(KVConnectorBase_V1):
         return self.runtime.events.take()
 
 
-def _attention_backend(vllm_config: Any, runtime: Any) -> tuple[str, Any]:
-    """The attention backend's name, and on the CPU vLLM's cache-write op (to prove the layout)."""
-    layers = vllm_config.compilation_config.static_forward_context
-    layer = layers.get(runtime.shape.layer_names[0])
-    if layer is None or not hasattr(layer, "attn_backend"):
-        from kvtier.errors import KvtierError
+def _attention_backend(vllm_config: Any, kv_cache_config: Any, runtime: Any,
+                       kv_caches: dict[str, torch.Tensor]) -> tuple[str, Any]:
+    """The attention backend's name, checked: the registered tensors have the shape vLLM's own
+    code allocates for it (``compat.expected_kv_shape``); on the CPU also vLLM's cache-write op
+    (to prove the layout inside a block)."""
+    from kvtier.errors import ConfigError, KvtierError
 
-        raise KvtierError(f"vLLM has no attention layer {runtime.shape.layer_names[0]!r} "
+    first_name = runtime.shape.layer_names[0]
+    layer = vllm_config.compilation_config.static_forward_context.get(first_name)
+    if layer is None or not hasattr(layer, "attn_backend"):
+        raise KvtierError(f"vLLM has no attention layer {first_name!r} "
                           "to read the attention backend from")
     backend = layer.attn_backend.get_name()
+    first = kv_caches.get(first_name)
+    if first is not None:
+        spec = compat.transfer_groups(kv_cache_config)[0].kv_cache_spec
+        cache_dtype = str(vllm_config.cache_config.cache_dtype)
+        expected = compat.expected_kv_shape(layer.attn_backend, spec, first.shape[0], cache_dtype)
+        if tuple(first.shape) != expected:
+            raise ConfigError("KV cache tensor", f"{backend} {list(first.shape)}",
+                              f"{list(expected)}, the shape vLLM allocates for this backend")
     if not backend.upper().startswith("CPU"):
         return backend, None
     from vllm import _custom_ops as ops

@@ -16,7 +16,7 @@ memory where a stored page is contiguous there); without it, the generic ``batch
 ``batch_set`` over flat pages. ``exists``/``batch_exists`` ask the stores' indexes, never page
 data. A missing, corrupt or unreachable page is a miss (``False``/``None``/a shorter prefix),
 never an exception: SGLang's prefetch and backup threads must not die on one bad page. Keys,
-rank handling and the MLA single writer: ``sglang_keys``; pool layouts: ``sglang_pages``.
+rank handling and the MLA single writer: ``keys``; pool layouts: ``pages``.
 
 Called from SGLang's scheduler thread (construction, registration, close) and its prefetch and
 backup threads (everything else, concurrently).
@@ -33,11 +33,11 @@ from urllib.parse import parse_qsl, urlsplit
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageExtraInfo
 
-from kvtier.integrations.sglang_keys import KeyMapper, ShardIdentity, shard_identity
-from kvtier.integrations.sglang_mover import PageMover
-from kvtier.integrations.sglang_options import SGLangBackendOptions, parse_extra_config
-from kvtier.integrations.sglang_pages import PoolPages, describe_pool, dtype_name
-from kvtier.integrations.sglang_tiers import TierChain, open_tiers
+from kvtier.integrations.sglang.keys import KeyMapper, ShardIdentity, shard_identity
+from kvtier.integrations.sglang.mover import PageMover
+from kvtier.integrations.sglang.options import SGLangBackendOptions, parse_extra_config
+from kvtier.integrations.sglang.pages import PoolPages, describe_pool, dtype_name
+from kvtier.integrations.sglang.tiers import TierChain, open_tiers
 
 log = logging.getLogger(__name__)
 

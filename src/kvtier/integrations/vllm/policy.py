@@ -6,7 +6,7 @@ kvtier's ``lrfu`` policy (recency and frequency, with the decay tied to the pool
 eviction age; see ``kvtier.index.policies``). Load it with::
 
     "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec", ...,
-      "cache_policy": "KvtierLRFU", "cache_policy_module_path": "kvtier.integrations.vllm_policy"}
+      "cache_policy": "KvtierLRFU", "cache_policy_module_path": "kvtier.integrations.vllm.policy"}
 
 vLLM resolves the class by name from the module (its ``CachePolicyFactory``). Keys are vLLM's
 ``OffloadKey`` bytes, so the ranking sees flat chunks rather than kvtier's radix tree: a chunk
@@ -18,9 +18,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus
-
 from kvtier.index.eviction import make_eviction_policy
+from kvtier.integrations.vllm.compat import require_offloading_plugins
+
+require_offloading_plugins()      # before the vLLM import, which needs its tiering API
+
+# ruff: noqa: E402  (vLLM's import follows the version check above)
+from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus
 
 
 class KvtierLRFU(CachePolicy):

@@ -12,8 +12,8 @@ id. vLLM builds the scheduler half and the worker half of a connector separately
   from the cache's device pool (on CUDA overlapping the forward);
 - with workers in processes of their own (``"mp"``: tensor parallelism, or vLLM's CPU backend
   with multiprocessing on) the engine-core process holds the cache, whose staging pool lives in
-  shared memory (``vllm_shared_pool``), and each worker holds a ``RankRuntime`` and copies its
-  KV heads' slice of the staged pages (``vllm_ranks``). Pages keep every head of the model in
+  shared memory (``shared_pool``), and each worker holds a ``RankRuntime`` and copies its
+  KV heads' slice of the staged pages (``rank_worker``). Pages keep every head of the model in
   kvtier's canonical order in both cases, so any TP size reads what any other wrote.
 
 Pipeline and decode-context parallelism, Ray and multi-node executors are refused at start
@@ -21,7 +21,7 @@ naming the setting.
 
 Every method takes the lock: vLLM calls the scheduler half from its scheduling loop and the
 worker half from the model runner, which may be another thread under async scheduling, and the
-runtime's ``Saver`` (``vllm_saver``) commits stored prompts from its own background thread. The
+runtime's ``Saver`` (``saver``) commits stored prompts from its own background thread. The
 cache is built on that thread, so the IO threads it starts inherit its idle CPU priority.
 """
 
@@ -37,10 +37,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm_events import EventLog
-from kvtier.integrations.vllm_options import VllmConnectorOptions
-from kvtier.integrations.vllm_saver import Saver
-from kvtier.integrations.vllm_shared_pool import SharedPool
+from kvtier.integrations.vllm.compat import transfer_groups
+from kvtier.integrations.vllm.events import EventLog
+from kvtier.integrations.vllm.options import VllmConnectorOptions
+from kvtier.integrations.vllm.saver import Saver
+from kvtier.integrations.vllm.shared_pool import SharedPool
 from kvtier.keys import KeyNamespace
 from kvtier.layout import KVLayout
 
@@ -104,7 +105,7 @@ def model_shape(vllm_config: Any, kv_cache_config: Any) -> ModelShape:
     if getattr(parallel, "decode_context_parallel_size", 1) != 1:
         raise ConfigError("decode_context_parallel_size", parallel.decode_context_parallel_size,
                           "1 (kvtier pages hold every token of a page on one rank)")
-    groups = [g for g in kv_cache_config.kv_cache_groups if g.enable_kv_transfer]
+    groups = transfer_groups(kv_cache_config)
     specs = [g.kv_cache_spec for g in groups]
     if not specs or not all(isinstance(s, AttentionSpec) for s in specs):
         raise ConfigError("model KV cache groups", _kinds(specs), "attention KV cache groups "
@@ -177,7 +178,7 @@ class ConnectorRuntime:
 
     @property
     def ranked(self) -> bool:
-        """The workers run in processes of their own (``vllm_ranks``)."""
+        """The workers run in processes of their own (``rank_worker``)."""
         return self.shared is not None
 
     def take_staged(self, req_id: str) -> Any:
