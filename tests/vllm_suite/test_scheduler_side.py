@@ -280,10 +280,22 @@ def test_rows_saved_from_vllm_blocks_load_back_into_other_blocks_exactly(schedul
     worker.wait_for_save(saving)
     assert runtime.saver.drain(30.0)
     assert runtime.counts["saved_tokens"] == 96
-    (event,) = scheduler.connector.take_events()
-    assert type(event).__name__ == "BlockStored" and event.medium == "kvtier"
-    assert len(event.block_hashes) == 3 and all(len(h) == 32 for h in event.block_hashes)
-    assert event.token_ids == tokens and event.block_size == BLOCK
+    # The events say what kvtier serve's stream says: kvtier's pages on its device tier (GPU)
+    # and, once copied, its host tier (CPU), named by the last 8 bytes of kvtier's page keys.
+    from vllm.distributed.kv_events import BlockStored
+
+    from kvtier.events.blocks import key_hash
+    from kvtier.keys import page_keys
+
+    want = [key_hash(bytes(k)) for k in page_keys(tokens, BLOCK, runtime.namespace, None)]
+    stored: dict[str, list[int]] = {}
+    for event in scheduler.connector.take_events():
+        if isinstance(event, BlockStored):
+            assert event.block_size == BLOCK
+            first = want.index(event.block_hashes[0]) * BLOCK
+            assert event.token_ids == tokens[first:first + BLOCK * len(event.block_hashes)]
+            stored.setdefault(event.medium, []).extend(event.block_hashes)
+    assert stored == {"GPU": want, "CPU": want}
     assert list(scheduler.connector.take_events()) == []
     with runtime.lock:
         runtime.staged["r"] = runtime.cache.load(runtime.cache.match(tokens))

@@ -33,6 +33,7 @@ from kvtier.integrations.vllm.options import parse_connector_config
 from kvtier.integrations.vllm.rank_worker import RankWorker
 from kvtier.integrations.vllm.runtime import RankRuntime, runtime_for
 from kvtier.integrations.vllm.scheduler import KvtierConnectorMetadata, SchedulerSide
+from kvtier.integrations.vllm.stats import CounterReport, KvtierConnectorStats, KvtierPromMetrics
 from kvtier.integrations.vllm.worker import WorkerSide
 
 __all__ = ["KvtierConnector", "KvtierConnectorMetadata"]
@@ -58,6 +59,10 @@ class KvtierConnector(KVConnectorBase_V1):
         elif role == KVConnectorRole.WORKER:
             on_cuda = vllm_config.device_config.device_type == "cuda"
             self.worker = WorkerSide(self.runtime, copy_in_forward=on_cuda)
+        #: The scheduler half reports the engine's counters; a worker in a process of its own
+        #: its own; a worker sharing the scheduler's runtime nothing (they would count twice).
+        reports = scheduler or isinstance(self.runtime, RankRuntime)
+        self._report = CounterReport(self.runtime) if reports else None
 
     # ---- worker side -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -128,6 +133,21 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def take_events(self) -> Iterable[Any]:
         return self.runtime.events.take()
+
+    # ---- vLLM's metrics --------------------------------------------------------------------
+    def get_kv_connector_stats(self) -> KvtierConnectorStats | None:
+        moved = self._report.take() if self._report is not None else None
+        return KvtierConnectorStats(data=moved) if moved else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvtierConnectorStats:
+        return KvtierConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[Any, Any],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KvtierPromMetrics:
+        return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
 def _attention_backend(vllm_config: Any, kv_cache_config: Any, runtime: Any,

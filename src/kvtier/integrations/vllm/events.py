@@ -1,66 +1,53 @@
-"""KV events of kvtier's vLLM connector, as vLLM's own ``BlockStored`` objects.
+"""KV events of kvtier's vLLM connector: kvtier's own event stream, as vLLM's event classes.
 
-Owns ``EventLog``: the worker half records each prompt it committed (``stored``), the scheduler
-half hands them to vLLM in ``take_events`` (vLLM publishes them on its KV-event stream). A
-record holds what any event format needs (page keys in prefix order, the parent key, the tokens,
-the page size, the medium), and only ``_to_vllm`` builds vLLM's type, so a different publisher
-can take the same records. Block hashes are kvtier's 32-byte page keys, which already name a
-page's whole prefix and its tenant salt. Called from the model-runner thread (``stored``) and
-the scheduling thread (``take``); a lock guards the list.
+Owns ``ConnectorEvents``. It attaches kvtier's ``events.EventRecorder`` to the cache's radix
+index, the observer ``kvtier serve`` publishes from, so the events vLLM publishes for the
+connector (``take_events``) say what ``kvtier serve``'s stream says, in the same form: a page
+stored on or removed from each tier, with that tier's ``medium`` (``GPU`` for kvtier's device
+pages, ``CPU`` for its host tier, ``STORAGE`` for disk and Redis, told apart by ``locality``
+where vLLM's event class has the field) and block hashes that are the last 8 bytes of kvtier's
+SHA-256 page keys (vLLM's integer block-hash rule), chained through ``parent_block_hash``,
+cut into blocks of vLLM's block size. ``to_vllm`` builds vLLM's ``BlockStored``,
+``BlockRemoved`` and ``AllBlocksCleared`` field by field from what the running vLLM's classes
+declare, so every supported version gets the fields it knows.
+
+A page announced on ``STORAGE`` is served as a hit once the store-only part of a prompt's match
+reaches ``controller.min_prefetch_tokens`` (shorter store-only tails are recomputed: a read for
+them would cost more than it saves); the README tells routers how to score them.
+
+The recorder runs on whichever thread moves pages in the index (under the runtime's lock:
+vLLM's scheduling loop, the model runner, kvtier's saver), O(1) each; ``take`` runs on vLLM's
+scheduling loop and does the hashing and conversion.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from kvtier.keys import KeyNamespace, PageKey, page_keys
-
-#: Medium named in the events: pages kvtier holds outside vLLM's own KV cache.
-MEDIUM = "kvtier"
+from kvtier.events import types as kv
+from kvtier.events.recorder import EventRecorder
 
 
-@dataclass(frozen=True)
-class StoredPages:
-    """Full pages of one prompt prefix that kvtier now holds."""
+class ConnectorEvents:
+    """Records the cache index's tier moves; ``take()`` returns them as vLLM events."""
 
-    keys: tuple[PageKey, ...]
-    tokens: tuple[int, ...]
-    page_size: int
-    salt: str | None
-
-
-class EventLog:
-    """See the module docstring."""
-
-    def __init__(self) -> None:
-        self._records: list[StoredPages] = []
-        self._lock = threading.Lock()
-
-    def stored(self, namespace: KeyNamespace, tokens: Sequence[int], salt: str | None,
-               page_size: int) -> None:
-        keys = page_keys(list(tokens), page_size, namespace, salt)
-        if keys:
-            record = StoredPages(tuple(keys), tuple(tokens[: len(keys) * page_size]), page_size, salt)
-            with self._lock:
-                self._records.append(record)
-
-    def take_records(self) -> list[StoredPages]:
-        with self._lock:
-            records, self._records = self._records, []
-        return records
+    def __init__(self, index: Any, block_size: int) -> None:
+        self.recorder = EventRecorder(index, block_size=block_size).attach()
 
     def take(self) -> list[Any]:
-        """vLLM ``BlockStored`` events of everything stored since the last call."""
-        return [_to_vllm(record) for record in self.take_records()]
+        return [to_vllm(event) for event in self.recorder.take()]
+
+    def close(self) -> None:
+        self.recorder.detach()
 
 
-def _to_vllm(record: StoredPages) -> Any:
-    from vllm.distributed.kv_events import BlockStored
+def to_vllm(event: kv.KVEvent) -> Any:
+    """vLLM's own event object for one of kvtier's (fields vLLM's class does not declare, such
+    as ``locality`` before vLLM added it, are left out)."""
+    from vllm.distributed import kv_events
 
-    return BlockStored(block_hashes=[bytes(k) for k in record.keys], parent_block_hash=None,
-                       token_ids=list(record.tokens), block_size=record.page_size, lora_id=None,
-                       medium=MEDIUM, lora_name=None,
-                       extra_keys=[(record.salt,) if record.salt else None] * len(record.keys))
+    cls = getattr(kv_events, type(event).__name__)
+    known = set(getattr(cls, "__struct_fields__", ()))
+    fields = {name: getattr(event, name) for name in getattr(event, "__slots__", ())
+              if name in known}
+    return cls(**fields)

@@ -38,7 +38,7 @@ from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.compat import transfer_groups
-from kvtier.integrations.vllm.events import EventLog
+from kvtier.integrations.vllm.events import ConnectorEvents
 from kvtier.integrations.vllm.options import VllmConnectorOptions
 from kvtier.integrations.vllm.saver import Saver
 from kvtier.integrations.vllm.shared_pool import SharedPool
@@ -169,7 +169,7 @@ class ConnectorRuntime:
         self.lock = threading.RLock()
         self.staged: dict[str, Any] = {}      # request id -> kvtier Loaded, until its load ran
         self.counts: Counter[str] = Counter()
-        self.events = EventLog()
+        self.events = ConnectorEvents(cache.index, shape.block_size)
         self._closed = False
 
     @property

@@ -7,13 +7,14 @@ Owns ``PromptSave`` (one prompt being stored) and ``SaveCopier`` (the tensor wor
   already holds every full page on some tier (no copy, no commit: counted ``saves_skipped_held``);
 - ``copy_layer(save, layer)`` gathers that layer's rows by slot from vLLM's KV tensor into the
   staging pages, in kvtier's canonical row order (``layout``): per layer and prompt one
-  launch of kvtier's transfer kernel over whole blocks where ``blocks`` applies (CUDA,
-  a vLLM layout whose head rows are contiguous, page size a multiple of the block size); else, on the
+  launch of kvtier's row kernel over whole blocks where ``blocks`` applies (CUDA, a vLLM
+  layout whose head rows are contiguous, page size a multiple of the block size); else, on the
   CPU with whole blocks, one copy per block straight into its page; else one gather and one
   scatter (of whole blocks when the page size is a multiple of the block size, else of token
   rows);
 - ``commit(save)`` hands the pages to ``TieredCache.commit`` (write policy: host copy, store
-  backups on kvtier's IO threads) and records the KV event; ``abandon(save)`` frees them.
+  backups on kvtier's IO threads; the index's moves become KV events, ``events``);
+  ``abandon(save)`` frees them.
 
 Which thread calls what is the caller's business (``saver``): on the CPU the background
 saver thread does all three, on CUDA the forward copies (stream-ordered, cheap) and the saver
@@ -170,7 +171,6 @@ class SaveCopier:
                 self._free(save)
                 return
             rt.counts["saved_tokens"] += len(save.rows)
-            rt.events.stored(rt.namespace, save.spec.tokens, save.spec.salt, rt.page_size)
             self._release_handles(save)
             rt.cache.poll()
             rt.counts["save_commit_cpu_us"] += int((time.thread_time() - started) * 1e6)

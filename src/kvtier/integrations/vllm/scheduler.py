@@ -86,6 +86,7 @@ class _Tracked:
     blocks: list[int] = field(default_factory=list)
     claim: tuple[int, int] | None = None           # tokens [start, end) claimed from kvtier
     sources: dict[Any, int] = field(default_factory=dict)
+    by_tier: dict[str, int] = field(default_factory=dict)   # the hit's tokens on each tier
     stored: bool = False
     held: int = 0                                  # prompt tokens kvtier staged (it holds them)
     off: bool = False                              # the request opted out of kvtier
@@ -159,6 +160,7 @@ class SchedulerSide:
         rt.counts["matched_tokens"] += hit.tokens
         rt.counts["staged_tokens"] += loaded.tokens
         rt.counts["unverified_or_missing_tokens"] += hit.tokens - loaded.tokens
+        tracked.by_tier = dict(hit.tokens_by_tier)
         tracked.sources = _sources(hit.tokens_by_tier, num_computed_tokens,
                                    min(loaded.tokens, len(prompt) - 1))
         tracked.held = loaded.tokens
@@ -203,6 +205,9 @@ class SchedulerSide:
         start, _ = tracked.claim
         tracked.claim = (start, start + num_external_tokens)
         self.runtime.counts["claimed_tokens"] += num_external_tokens
+        for tier, tokens in _tier_tokens(tracked.by_tier, start,
+                                         start + num_external_tokens).items():
+            self.runtime.counts[f"hit_tokens_{tier}"] += tokens
         self._loads.append(LoadSpec(request.request_id, start, start + num_external_tokens,
                                     tuple(tracked.blocks)))
 
@@ -301,15 +306,23 @@ class SchedulerSide:
         return False
 
 
-def _sources(tokens_by_tier: dict[str, int], start: int, end: int) -> dict[Any, int]:
-    """Tokens of ``[start, end)`` by the vLLM hit source of the tier that held them."""
-    out: dict[Any, int] = {}
+def _tier_tokens(tokens_by_tier: dict[str, int], start: int, end: int) -> dict[str, int]:
+    """Tokens of ``[start, end)`` by the kvtier tier that held them (nearest tier first)."""
+    out: dict[str, int] = {}
     at = 0
     for tier in ("device", "host", "disk", "remote"):
         span = tokens_by_tier.get(tier, 0)
         overlap = min(end, at + span) - max(start, at)
         if overlap > 0:
-            source = TIER_SOURCES[tier]
-            out[source] = out.get(source, 0) + overlap
+            out[tier] = overlap
         at += span
+    return out
+
+
+def _sources(tokens_by_tier: dict[str, int], start: int, end: int) -> dict[Any, int]:
+    """Tokens of ``[start, end)`` by the vLLM hit source of the tier that held them."""
+    out: dict[Any, int] = {}
+    for tier, tokens in _tier_tokens(tokens_by_tier, start, end).items():
+        source = TIER_SOURCES[tier]
+        out[source] = out.get(source, 0) + tokens
     return out
