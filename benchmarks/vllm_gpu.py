@@ -263,7 +263,7 @@ def child_main(args: argparse.Namespace) -> None:
     case, code = Case(args), 0
     try:
         case.run()
-    except BaseException as exc:                            # noqa: BLE001
+    except BaseException as exc:
         case.res["error"] = f"{type(exc).__name__}: {exc}"
         print(traceback.format_exc()[-6000:], flush=True)
         code = 1
@@ -334,9 +334,10 @@ def summarize(args: argparse.Namespace, results: list[dict[str, Any]]) -> dict[s
         for length in (*args.lengths, *args.check_lengths):
             key = str(length)
 
-            def cell(case: str, field: str = "ttft_median_ms", key: str = key) -> Any:
-                return by.get((case, mode if case not in ("disk_store", "disk_hit")
-                               else args.disk_mode), {}).get("lengths", {}).get(key, {}).get(field)
+            def cell(case: str, field: str = "ttft_median_ms", key: str = key,
+                     mode: str = mode) -> Any:
+                run_mode = args.disk_mode if case in ("disk_store", "disk_hit") else mode
+                return by.get((case, run_mode), {}).get("lengths", {}).get(key, {}).get(field)
 
             want = cell("recompute", "tokens16")
             agree = {c: (cell(c, "tokens16") == want if want and cell(c, "tokens16") else None)
