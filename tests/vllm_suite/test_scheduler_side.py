@@ -313,3 +313,34 @@ def test_rows_saved_from_vllm_blocks_load_back_into_other_blocks_exactly(schedul
                              strict=True):
             assert torch.equal(got, want)
         assert int(layout.read(target[name], torch.tensor([11 * BLOCK + 31]))[0].abs().sum()) == 0
+
+
+def test_counters_reach_vllms_connector_stats_log_and_prometheus(scheduler):
+    from prometheus_client import REGISTRY
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorLogging,
+        KVConnectorProm,
+    )
+
+    connector = scheduler.connector
+    connector.get_kv_connector_stats()                  # what start-up counted, if anything
+    tokens = _prompt(100)
+    fill_kvtier(connector.runtime, tokens)
+    _admit(scheduler, tokens)
+    stats = connector.get_kv_connector_stats()
+    by_tier = {k: v for k, v in stats.data.items() if k.startswith("hit_tokens_")}
+    assert sum(by_tier.values()) == 96 and stats.data["claimed_tokens"] == 96
+    assert stats.data["lookups"] == 1
+    assert connector.get_kv_connector_stats() is None  # nothing moved since the last report
+    config = scheduler.vllm_config
+    logging = KVConnectorLogging(config.kv_transfer_config)   # vLLM's periodic log line
+    logging.observe(stats.data)
+    logging.observe({"claimed_tokens": 4})
+    lines: list[str] = []
+    logging.log(log_fn=lambda fmt, *args: lines.append(fmt % args))
+    assert "claimed_tokens=100" in lines[0] and "lookups=1" in lines[0]
+    prom = KVConnectorProm(config, ["model_name", "engine"], {0: ["tiny", "0"]})
+    prom.observe(stats.data, 0)
+    labels = {"model_name": "tiny", "engine": "0"}
+    assert REGISTRY.get_sample_value("vllm:kvtier_claimed_tokens_total", labels) == 96
+    assert REGISTRY.get_sample_value("vllm:kvtier_hit_tokens_disk_total", labels) == 0
