@@ -55,6 +55,7 @@ def serve(config: KvtierConfig, explicit: set[str] | None = None,
     from kvtier.engine.hf import load_model
     from kvtier.engine.service import EngineService
     from kvtier.serve.app import create_app
+    from kvtier.serve.edge import server_config
     from kvtier.serve.logs import tiers_summary
     from kvtier.serve.preflight import bind_listener
     from kvtier.serve.sizing import size_pools
@@ -73,7 +74,7 @@ def serve(config: KvtierConfig, explicit: set[str] | None = None,
         app = create_app(service, config)
         base = f"http://{config.server.host}:{listener.getsockname()[1]}"
         server = KvtierServer(
-            uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S),
+            server_config(app, log_level="info", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S),
             on_started=(lambda: ready(base)) if ready is not None else None,
             on_stopping=service.scheduler.stop)
         try:
