@@ -155,7 +155,17 @@ class ServerConfig:
     port: int = opt(8000, "Port to listen on.", minimum=0, maximum=65535, alias="--port")
     admin_key: str = opt("", "Bearer key of the admin API (empty: admin API disabled).",
                          secret=True)
-    api_key: str = opt("", "Bearer key of the OpenAI routes (empty: open).", secret=True)
+    api_key: str = opt("", "Bearer key of the OpenAI routes (empty: open).", secret=True,
+                       alias="--api-key")
+    served_model_name: str = opt("", "Names the API serves the model under, comma-separated "
+                                 "(empty: the model's name); answers carry the first.",
+                                 alias="--served-model-name")
+    max_model_len: int = opt(0, "Longest sequence accepted, prompt plus generated tokens (0: "
+                             "the model's positions; more is refused at start).", minimum=0,
+                             alias="--max-model-len")
+    log_level: str = opt("info", "Level of the server's log (kvtier and uvicorn).",
+                         choices=("debug", "info", "warning", "error", "critical"),
+                         alias="--log-level")
     max_prompt_tokens: int = opt(32768, "Longest prompt accepted.", minimum=1)
     max_body_bytes: int = opt(4 << 20, "Largest request body accepted.", minimum=1, size=True)
     max_concurrent_requests: int = opt(64, "Requests with a whole body queued or running at "
