@@ -141,7 +141,11 @@ def _requests(req: Mapping[str, Any]) -> Iterator[Metric]:
              "arrival at the engine to its first token."),
             ("queue_seconds", "kvtier_queue_wait_seconds", "Time a request waited in the queue."),
             ("prefill_seconds", "kvtier_prefill_seconds", "Time a prefill took (cache match, "
-             "load and compute).")):
+             "load and compute)."),
+            ("e2e_seconds", "kvtier_e2e_request_latency_seconds", "Time from a request's "
+             "arrival at the engine to its end."),
+            ("token_gap_seconds", "kvtier_inter_token_latency_seconds", "Time between two "
+             "consecutive tokens of a request.")):
         yield _histogram(name, doc, req.get(key) or {})
 
 
