@@ -16,13 +16,19 @@ install: $(STAMP)
 install-test: $(TEST_STAMP) $(VENV_SGLANG)/.installed $(VENV_VLLM)/.installed
 
 # The core: what `kvtier serve` needs (the engine, the server, the Triton kernels).
+# Each step says what it does first: a cold install takes minutes and pip is quiet.
 $(STAMP): pyproject.toml
+	@echo "kvtier: [1/4] creating the environment $(VENV)"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@echo "kvtier: [2/4] upgrading pip"
 	$(BIN)/python -m pip install -q --upgrade pip
 	# Pin torch first: the CPU build installs from local disk; a bare `torch` pulls a CUDA build.
+	@echo "kvtier: [3/4] installing $(TORCH_PIN) (the longest step)"
 	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
+	@echo "kvtier: [4/4] installing kvtier with the server (fastapi, uvicorn, transformers, triton)"
 	$(BIN)/python -m pip install -q -e ".[serve,gpu]" "$(TORCH_PIN)"
 	touch $(STAMP)
+	@echo "kvtier: installed in $(VENV)"
 
 # The test tools and the system packages the tests need (redis-server).
 $(TEST_STAMP): $(STAMP) scripts/install_system_deps.sh
@@ -43,9 +49,11 @@ $(VENV_VLLM)/.installed: scripts/setup_vllm_env.sh pyproject.toml
 		|| echo "warning: $(VENV_VLLM) could not be built; the vLLM plug-in tests will skip"
 
 # Serves the OpenAI API on the embedded tiny model, disk tier under ./data/disk; it prints how to
-# call it (curl and the openai client) once it listens. Ctrl-C stops it.
+# call it (curl and the openai client) once it listens. Ctrl-C stops it. More flags through ARGS:
+# make run ARGS="--port 9000 --log-level debug".
+ARGS ?=
 run: install
-	$(BIN)/kvtier serve --disk file://$(CURDIR)/data/disk
+	$(BIN)/kvtier serve --disk file://$(CURDIR)/data/disk $(ARGS)
 
 # Type checks: strict on the core (its lower layers, the controller, the facade and the admin
 # layer).

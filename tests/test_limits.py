@@ -128,9 +128,35 @@ def test_live_server_refuses_a_chunked_upload_past_max_body_bytes() -> None:
 
 def test_saturated_server_answers_429_yet_health_metrics_and_admin_still_answer() -> None:
     config = make_config(cache__enabled="false", server__max_concurrent_requests=1)
+    long = {"model": "tiny-llama", "prompt": "x", "max_tokens": 2000, "ignore_eos": True,
+            "stream": True, "temperature": 0}
+    with running_server(config, max_running=1) as (_, url), \
+            httpx.stream("POST", url + "/v1/completions", json=long, timeout=60) as held:
+        assert held.status_code == 200
+        lines = held.iter_lines()  # kept: dropping the iterator closes the stream
+        next(lines)  # streaming: it holds the only slot
+        refused = httpx.post(url + "/v1/completions", json={"model": "tiny-llama", "prompt": "y"})
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "too_many_requests"
+        assert httpx.get(url + "/health").status_code == 200
+        metrics = httpx.get(url + "/metrics").text
+        assert 'kvtier_requests_rejected_total{reason="too_many_in_flight"} 1.0' in metrics
+        assert "kvtier_http_requests_in_flight 1.0" in metrics
+        assert httpx.get(url + "/admin/stats").status_code == 403  # answered, not queued
+        held.close()  # the client leaves: its slot is given back
+        deadline = time.monotonic() + 10
+        while "kvtier_http_requests_in_flight 0.0" not in httpx.get(url + "/metrics").text:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert httpx.post(url + "/v1/completions", json={"model": "tiny-llama", "prompt": "y",
+                                                         "max_tokens": 1}).status_code == 200
+
+
+def test_a_body_still_arriving_takes_no_slot() -> None:
+    config = make_config(cache__enabled="false", server__max_concurrent_requests=1)
     started, finish = threading.Event(), threading.Event()
 
-    def slow_upload() -> Iterator[bytes]:  # holds the only slot until told to finish
+    def slow_upload() -> Iterator[bytes]:  # sends part of its body, then waits
         yield b'{"model": "tiny-llama", '
         started.set()
         finish.wait(30)
@@ -142,15 +168,8 @@ def test_saturated_server_answers_429_yet_health_metrics_and_admin_still_answer(
                              headers={"content-type": "application/json"}, timeout=60)
         assert started.wait(10)
         time.sleep(0.2)  # the first chunk reaches the server
-        refused = httpx.post(url + "/v1/completions", json={"model": "tiny-llama", "prompt": "y"})
-        assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
-        assert refused.json()["error"]["code"] == "too_many_requests"
-        assert httpx.get(url + "/health").status_code == 200
-        metrics = httpx.get(url + "/metrics").text
-        assert 'kvtier_requests_rejected_total{reason="too_many_in_flight"} 1.0' in metrics
-        assert "kvtier_http_requests_in_flight 1.0" in metrics
-        assert httpx.get(url + "/admin/stats").status_code == 403  # answered, not queued
+        served = httpx.post(url + "/v1/completions", json={"model": "tiny-llama", "prompt": "y",
+                                                           "max_tokens": 1})
+        assert served.status_code == 200, served.text
         finish.set()
         assert holder.result().status_code == 200
-        assert httpx.post(url + "/v1/completions", json={"model": "tiny-llama", "prompt": "y",
-                                                         "max_tokens": 1}).status_code == 200

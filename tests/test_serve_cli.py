@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
+import pytest
 
 from kvtier.commands.serve import how_to_call
 from kvtier.config import build_config
@@ -64,3 +67,27 @@ def test_how_to_call_mentions_the_key_only_when_one_is_set():
     keyed = build_config(env={}, flags={"server.api_key": "k"})
     assert "Authorization" not in how_to_call("http://h:1", open_config, "m")
     assert "Authorization: Bearer $KEY" in how_to_call("http://h:1", keyed, "m")
+
+
+def test_make_run_passes_args_to_kvtier_serve():
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    root = Path(__file__).resolve().parents[1]
+    dry = subprocess.run(["make", "-n", "-C", str(root), "run",
+                          "ARGS=--port 9000 --log-level debug"],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    serve = [line for line in dry.splitlines() if "kvtier serve" in line]
+    assert serve and serve[-1].endswith("--port 9000 --log-level debug"), dry
+
+
+def test_banner_says_how_to_get_the_openai_client_and_sends_a_prompt_longer_than_a_page():
+    from transformers import AutoTokenizer
+
+    from kvtier.commands.serve import DEMO_PROMPT
+    from kvtier.engine.presets import resolve_model
+    from kvtier.engine.text import encode_prompt
+
+    banner = how_to_call("http://h:1", build_config(env={}, flags={}), "m")
+    assert "pip install openai" in banner and DEMO_PROMPT in banner
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("tiny-llama").tokenizer_dir)
+    assert len(encode_prompt(tokenizer, DEMO_PROMPT)) > 64  # a whole default page is cached

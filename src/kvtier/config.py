@@ -155,11 +155,30 @@ class ServerConfig:
     port: int = opt(8000, "Port to listen on.", minimum=0, maximum=65535, alias="--port")
     admin_key: str = opt("", "Bearer key of the admin API (empty: admin API disabled).",
                          secret=True)
-    api_key: str = opt("", "Bearer key of the OpenAI routes (empty: open).", secret=True)
+    api_key: str = opt("", "Bearer key of the OpenAI routes (empty: open).", secret=True,
+                       alias="--api-key")
+    served_model_name: str = opt("", "Names the API serves the model under, comma-separated "
+                                 "(empty: the model's name); answers carry the first.",
+                                 alias="--served-model-name")
+    max_model_len: int = opt(0, "Longest sequence accepted, prompt plus generated tokens (0: "
+                             "the model's positions; more is refused at start).", minimum=0,
+                             alias="--max-model-len")
+    log_level: str = opt("info", "Level of the server's log (kvtier and uvicorn).",
+                         choices=("debug", "info", "warning", "error", "critical"),
+                         alias="--log-level")
     max_prompt_tokens: int = opt(32768, "Longest prompt accepted.", minimum=1)
     max_body_bytes: int = opt(4 << 20, "Largest request body accepted.", minimum=1, size=True)
-    max_concurrent_requests: int = opt(64, "Requests queued or running at once; past it 429.",
-                                       minimum=1)
+    max_concurrent_requests: int = opt(64, "Requests with a whole body queued or running at "
+                                       "once; past it 429.", minimum=1)
+    max_connections_per_client: int = opt(256, "Open connections per client address; one more "
+                                          "closes that client's oldest connection still "
+                                          "sending a request, or gets 429 when none is.",
+                                          minimum=1)
+    header_timeout_s: float = opt(10.0, "Seconds a connection has to send whole request "
+                                  "headers (from its opening or its previous answer); past it "
+                                  "408 and closed. 0: no limit.", minimum=0.0)
+    body_timeout_s: float = opt(60.0, "Seconds a request has to send its whole body after its "
+                                "headers; past it 408.", minimum=0.001)
     stats_interval_s: float = opt(10.0, "Seconds between the server's stats log lines "
                                   "(throughput, queue, hit rate and pages per tier); 0: off.",
                                   minimum=0.0)

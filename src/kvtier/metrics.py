@@ -5,7 +5,11 @@ the caller gathers (the server's ``/metrics`` route does so on the engine thread
 
     {"info": {"version", "model"}, "requests": RequestStats.snapshot(),
      "scheduler": Scheduler.stats(), "cache": TieredCache.stats() or None,
-     "http": RequestLimits counters, "bindings": BindingTable.stats()}
+     "http": RequestLimits counters, "process": process_snapshot(),
+     "bindings": BindingTable.stats()}
+
+(``kvtier.metrics_server`` renders the server's and the process's own families, the one other
+module importing prometheus_client.)
 
 Any part may be missing (the cache is off, the engine did not answer in time); its series are
 then left out, except the request and scheduler counters, which start at zero. Every series is
@@ -27,6 +31,8 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     Metric,
 )
+
+from kvtier.metrics_server import server_families
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TIERS = ("device", "host", "disk", "remote")
@@ -50,6 +56,7 @@ class _SnapshotCollector:
         yield from _info(snap.get("info") or {})
         yield from _requests(snap.get("requests") or {})
         yield from _scheduler(snap.get("scheduler") or {}, snap.get("http") or {})
+        yield from server_families(snap.get("http") or {}, snap.get("process") or {})
         cache = snap.get("cache")
         yield _gauge("kvtier_cache_stats_ok", "1 when this scrape holds the cache's snapshot, 0 "
                      "when the cache is off or the engine did not answer in time.",
@@ -134,7 +141,11 @@ def _requests(req: Mapping[str, Any]) -> Iterator[Metric]:
              "arrival at the engine to its first token."),
             ("queue_seconds", "kvtier_queue_wait_seconds", "Time a request waited in the queue."),
             ("prefill_seconds", "kvtier_prefill_seconds", "Time a prefill took (cache match, "
-             "load and compute).")):
+             "load and compute)."),
+            ("e2e_seconds", "kvtier_e2e_request_latency_seconds", "Time from a request's "
+             "arrival at the engine to its end."),
+            ("token_gap_seconds", "kvtier_inter_token_latency_seconds", "Time between two "
+             "consecutive tokens of a request.")):
         yield _histogram(name, doc, req.get(key) or {})
 
 

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.engine.request_stats import TOKEN_GAP_BOUNDS_S, LatencyHistogram
 from kvtier.engine.sampling import SamplingParams
 
 TIERS = ("device", "host", "disk", "remote")
@@ -96,6 +97,8 @@ class RequestHandle:
         self.request = request
         self.submitted_at = time.perf_counter()
         self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.token_gaps = LatencyHistogram(TOKEN_GAP_BOUNDS_S)  # engine thread only
         self._queue: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._sink: Callable[[Event], None] | None = None
         self._cancelled = threading.Event()
@@ -113,8 +116,13 @@ class RequestHandle:
         return self._cancelled.is_set()
 
     def _emit(self, event: Event) -> None:
-        if isinstance(event, TokenEvent) and self.first_token_at is None:
-            self.first_token_at = time.perf_counter()
+        if isinstance(event, TokenEvent):
+            now = time.perf_counter()
+            if self.first_token_at is None:
+                self.first_token_at = now
+            else:
+                self.token_gaps.observe(now - (self.last_token_at or now))
+            self.last_token_at = now
         if self._sink is not None:
             self._sink(event)
         else:

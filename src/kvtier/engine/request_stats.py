@@ -1,4 +1,5 @@
-"""Request-level counters of the engine: prompt, cached and computed tokens, outcomes, latencies.
+"""Request-level counters of the engine: prompt, cached and computed tokens, outcomes, latencies
+(time to first token, queue, prefill, end to end, and the gap between a request's tokens).
 
 Owns ``RequestStats`` (what every finished request adds up to) and ``LatencyHistogram`` (fixed
 bucket bounds, plain counts; ``kvtier.metrics`` renders it as a Prometheus histogram). The
@@ -18,6 +19,10 @@ TIERS = ("device", "host", "disk", "remote")
 #: Seconds; spans a cached 1k-token prompt on a GPU (ms) to a 32k recompute on a CPU (minutes).
 LATENCY_BOUNDS_S: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                                        10.0, 30.0, 60.0, 120.0)
+#: Seconds between two tokens of one request: a decode step on a GPU (a few ms) to a CPU step
+#: beside a long prefill chunk (seconds).
+TOKEN_GAP_BOUNDS_S: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15,
+                                         0.3, 0.6, 1.0, 2.5, 5.0)
 
 
 class LatencyHistogram:
@@ -35,6 +40,13 @@ class LatencyHistogram:
         value = max(0.0, float(value))
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.total += value
+
+    def merge(self, other: LatencyHistogram) -> None:
+        """Add ``other``'s observations (same bounds)."""
+        if other.bounds != self.bounds:
+            raise ValueError("histograms with different bounds")
+        self.counts = [a + b for a, b in zip(self.counts, other.counts, strict=True)]
+        self.total += other.total
 
     def snapshot(self) -> dict[str, Any]:
         """``{"bounds": [...], "counts": [... one per bound, then +Inf], "sum", "count"}``
@@ -54,17 +66,25 @@ class RequestStats:
         self._ttft = LatencyHistogram(bounds)
         self._queue = LatencyHistogram(bounds)
         self._prefill = LatencyHistogram(bounds)
+        self._e2e = LatencyHistogram(bounds)
+        self._token_gaps = LatencyHistogram(TOKEN_GAP_BOUNDS_S)
 
     def observe(self, outcome: str, report: Any = None, *, completion_tokens: int = 0,
-                ttft_s: float | None = None) -> None:
+                ttft_s: float | None = None, e2e_s: float | None = None,
+                token_gaps: LatencyHistogram | None = None) -> None:
         """One request ended with ``outcome`` (stop, length, cancelled, error). ``report`` is
         its ``PrefillReport`` (None when it never reached prefill); ``ttft_s`` the time from
-        submission to its first token (None when it produced none)."""
+        submission to its first token (None when it produced none); ``e2e_s`` from submission
+        to its end; ``token_gaps`` the gaps between its tokens (``TOKEN_GAP_BOUNDS_S``)."""
         with self._lock:
             self._outcomes[outcome] = self._outcomes.get(outcome, 0) + 1
             self._tokens["completion"] += max(0, int(completion_tokens))
             if ttft_s is not None:
                 self._ttft.observe(ttft_s)
+            if e2e_s is not None:
+                self._e2e.observe(e2e_s)
+            if token_gaps is not None:
+                self._token_gaps.merge(token_gaps)
             if report is None:
                 return
             self._tokens["prompt"] += report.prompt_tokens
@@ -85,4 +105,6 @@ class RequestStats:
                     "cached_tokens_total": dict(self._cached),
                     "ttft_seconds": self._ttft.snapshot(),
                     "queue_seconds": self._queue.snapshot(),
-                    "prefill_seconds": self._prefill.snapshot()}
+                    "prefill_seconds": self._prefill.snapshot(),
+                    "e2e_seconds": self._e2e.snapshot(),
+                    "token_gap_seconds": self._token_gaps.snapshot()}

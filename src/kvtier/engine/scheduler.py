@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict, deque
 from typing import Any
 
@@ -203,14 +204,17 @@ class Scheduler:
             if not seq.handle.done.is_set():
                 seq.handle._emit(FinishEvent("error", seq.generated, seq.report, "finish failed"))
         self._count(reason)
-        first = seq.handle.first_token_at
+        handle = seq.handle
+        first = handle.first_token_at
         self.requests.observe(reason, seq.report, completion_tokens=seq.generated,
-                              ttft_s=None if first is None else first - seq.handle.submitted_at)
+                              ttft_s=None if first is None else first - handle.submitted_at,
+                              e2e_s=time.perf_counter() - handle.submitted_at,
+                              token_gaps=handle.token_gaps)
 
     def _end(self, handle: RequestHandle, event: FinishEvent) -> None:
         handle._emit(event)
         self._count(event.reason)
-        self.requests.observe(event.reason)
+        self.requests.observe(event.reason, e2e_s=time.perf_counter() - handle.submitted_at)
 
     def _count(self, reason: str) -> None:
         with self._lock:

@@ -21,6 +21,7 @@ from kvtier.config import KvtierConfig
 from kvtier.engine.engine_calls import EngineStopped
 from kvtier.errors import ConfigError, LayoutMismatch, StoreClosed, StoreUnavailable
 from kvtier.serve.errors import APIError
+from kvtier.serve.process_stats import process_snapshot
 
 ENGINE_TIMEOUT_S = 60.0
 SNAPSHOT_TIMEOUT_S = 5.0
@@ -152,7 +153,8 @@ class AdminOps:
         snap: dict[str, Any] = {
             "info": {"version": __version__, "model": self.service.model_name},
             "requests": scheduler.requests.snapshot(), "scheduler": scheduler.stats(),
-            "http": http.snapshot() if http is not None else {}, "cache": None, "bindings": {},
+            "http": http.snapshot() if http is not None else {}, "process": process_snapshot(),
+            "cache": None, "bindings": {},
             "kv_events": self.service.kv_events_stats()}
 
         def engine_part() -> dict[str, Any]:

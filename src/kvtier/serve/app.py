@@ -2,8 +2,11 @@
 
 Owns ``create_app(service, config)``. Routers come from the modules in ``ROUTER_MODULES``, each
 exposing ``build_router(service, config)`` (the OpenAI routes, the admin API and ``/metrics``).
-``server.api_key`` guards ``/v1/*`` with a bearer key; ``serve.limits`` refuses oversized bodies
-and too many requests in flight; ``serve.error_counts``, outermost, counts every 4xx answer.
+``server.api_key`` guards ``/v1/*`` with a bearer key (``serve.auth.ApiKeyGuard``);
+``serve.limits`` refuses oversized and late bodies and too many requests in flight;
+``serve.error_counts`` counts every 4xx and 5xx answer; ``serve.edge.MarkConnections``,
+outermost, tells each connection's ``ConnectionTable`` entry (``app.state.connections``) where
+its request stands. All of them are pure ASGI middlewares.
 While the app runs, a task logs the stats line every ``server.stats_interval_s`` seconds
 (``serve.logs``). FastAPI is imported inside functions only, so the engine and benchmarks never
 need it; uvicorn runs the app from ``serve.lifecycle`` and ``serve.background``. The event loop
@@ -13,15 +16,16 @@ runs on the main thread (``kvtier serve``) or a background thread; the engine on
 from __future__ import annotations
 
 import asyncio
-import hmac
 import importlib
 import logging
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvtier.config import KvtierConfig
+from kvtier.serve.auth import ApiKeyGuard
+from kvtier.serve.connections import ConnectionTable
+from kvtier.serve.edge import MarkConnections
 from kvtier.serve.error_counts import CountErrors
-from kvtier.serve.errors import APIError, install_error_handlers
+from kvtier.serve.errors import install_error_handlers
 from kvtier.serve.limits import install_limits
 from kvtier.serve.logs import log_stats_every
 
@@ -32,23 +36,6 @@ ROUTER_MODULES: tuple[str, ...] = (
     "kvtier.serve.openai_api",
     "kvtier.serve.admin_api",
 )
-
-
-def _guard(config: KvtierConfig) -> Callable[[Any, Callable[[Any], Awaitable[Any]]], Awaitable[Any]]:
-    api_key = config.server.api_key
-
-    async def guard(request: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:
-        from fastapi.responses import JSONResponse
-
-        if api_key and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                err = APIError(401, "missing or wrong API key (send 'Authorization: Bearer "
-                               "KEY')", code="invalid_api_key")
-                return JSONResponse(err.body(), status_code=401)
-        return await call_next(request)
-
-    return guard
 
 
 def create_app(service: Any, config: KvtierConfig) -> Any:
@@ -74,8 +61,12 @@ def create_app(service: Any, config: KvtierConfig) -> Any:
     app.state.config = config
     install_error_handlers(app)
     counters = install_limits(app, config)  # inside the guard: keyless requests take no slot
-    app.middleware("http")(_guard(config))
-    app.add_middleware(CountErrors, counters=counters)  # outermost: sees every answer
+    app.add_middleware(ApiKeyGuard, api_key=config.server.api_key)
+    app.add_middleware(CountErrors, counters=counters)  # sees every answer but unhandled 500s
+    app.add_middleware(MarkConnections)  # outermost: request, body and answer of a connection
+    app.state.connections = ConnectionTable(
+        max_per_client=config.server.max_connections_per_client,
+        header_timeout_s=config.server.header_timeout_s, counters=counters)
 
     @app.get("/health")
     async def health() -> Any:

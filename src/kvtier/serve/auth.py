@@ -1,9 +1,12 @@
-"""Who may call what: the admin key of ``/admin/*``, the key of ``/metrics``, start-up warnings.
+"""Who may call what: the API key of ``/v1/*``, the admin key of ``/admin/*``, the key of
+``/metrics``, start-up warnings.
 
 Owns ``bearer_matches`` (constant-time comparison of an ``Authorization`` header with a key),
-``admin_guard(config)`` and ``metrics_guard(config)`` (FastAPI dependencies) and
-``check_exposure(config)``. The rules:
+``ApiKeyGuard`` (a pure ASGI middleware), ``admin_guard(config)`` and ``metrics_guard(config)``
+(FastAPI dependencies) and ``check_exposure(config)``. The rules:
 
+- ``/v1/*`` needs ``Authorization: Bearer <server.api_key>`` when that key is set; otherwise
+  401 ``invalid_api_key``, before the body is read or a request slot taken.
 - ``/admin/*`` needs ``Authorization: Bearer <server.admin_key>``. With no admin key configured
   the admin API is disabled: every admin route answers 403 ``admin_disabled`` and says how to
   enable it (never open, and never a bare 404 that looks like a missing route). A missing or
@@ -12,7 +15,6 @@ Owns ``bearer_matches`` (constant-time comparison of an ``Authorization`` header
   every API client could wipe storage.
 - ``/metrics`` is open when ``server.api_key`` is empty (a loopback server, like ``/health``);
   with an API key set it needs that key or the admin key.
-- The OpenAI routes' own key check stays in ``kvtier.serve.app``'s guard.
 
 Runs on the server's event loop. (No ``from __future__ import annotations``: FastAPI reads the
 guards' annotations, and ``Request`` is imported lazily inside the factories.)
@@ -27,6 +29,7 @@ from typing import Any
 from kvtier.config import KvtierConfig
 from kvtier.errors import ConfigError
 from kvtier.serve.errors import APIError
+from kvtier.serve.limits import answer
 
 log = logging.getLogger("kvtier.serve")
 
@@ -49,6 +52,24 @@ class AuthError(APIError):
     def __init__(self, message: str, code: str) -> None:
         super().__init__(401, message, code=code)
         self.headers = {"WWW-Authenticate": "Bearer"}
+
+
+class ApiKeyGuard:
+    """ASGI middleware: ``/v1/*`` needs the API key when one is configured."""
+
+    def __init__(self, app: Any, *, api_key: str) -> None:
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if self.api_key and scope["type"] == "http" and scope.get("path", "").startswith("/v1/"):
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not bearer_matches(given.decode("latin-1"), self.api_key):
+                await answer(send, APIError(401, "missing or wrong API key (send "
+                                            "'Authorization: Bearer KEY')",
+                                            code="invalid_api_key"), {})
+                return
+        await self.app(scope, receive, send)
 
 
 def admin_guard(config: KvtierConfig) -> Callable[..., Awaitable[None]]:

@@ -2,8 +2,8 @@
 
 Owns ``BackgroundServer``: binds a loopback socket first (port 0 picks a free one, so callers
 learn the real port before any request), runs uvicorn on a daemon thread, and stops it on
-``close()``. The uvicorn event loop runs on that thread; the caller's thread only starts and
-stops it.
+``close()``. Connections go through ``serve.edge`` as under ``kvtier serve``. The uvicorn event
+loop runs on that thread; the caller's thread only starts and stops it.
 """
 
 from __future__ import annotations
@@ -21,12 +21,14 @@ class BackgroundServer:
                  start_timeout_s: float = 30.0) -> None:
         import uvicorn
 
+        from kvtier.serve.edge import server_config
+
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind((host, port))
         self.host, self.port = self._socket.getsockname()[:2]
-        config = uvicorn.Config(app, log_level="warning", lifespan="on",
-                                timeout_graceful_shutdown=2)
+        config = server_config(app, log_level="warning", lifespan="on",
+                               timeout_graceful_shutdown=2)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run,
                                         kwargs={"sockets": [self._socket]},

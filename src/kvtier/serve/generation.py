@@ -5,7 +5,9 @@ the event loop, turns each token id into a text increment (``Detokenizer``; poss
 cuts at stop strings (``StopMatcher``), cancels the engine's work when the stream ends early
 (stop string, client gone), finishes with a ``Done`` carrying the finish reason and the OpenAI
 usage block, and logs one line per request when it ends, whatever ended it
-(``serve.logs.request_line``).
+(``serve.logs.request_line``). A client that leaves is seen at once: a task awaits
+``client_gone`` and puts a marker in the event queue, and ``stream_text`` raises ``ClientGone``
+(an ordinary exception, so no generator is cancelled from another task).
 Runs on the server's event loop; the engine runs on its own thread.
 """
 
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +25,11 @@ from kvtier.engine.text import Detokenizer, StopMatcher
 from kvtier.serve.errors import APIError
 from kvtier.serve.logs import request_line, request_log
 
-DISCONNECT_CHECK_S = 1.0
+_GONE = object()  # queued by the watcher of ``client_gone``
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was whole; the engine's work was cancelled."""
 
 
 @dataclass(frozen=True)
@@ -55,20 +61,24 @@ def _sink(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Any]) -> Callabl
     return deliver
 
 
-async def _next_event(queue: asyncio.Queue[Any], disconnected: Callable[[], Any] | None) -> Any:
-    while True:
-        try:
-            return await asyncio.wait_for(queue.get(), DISCONNECT_CHECK_S)
-        except TimeoutError:
-            if disconnected is not None and await disconnected():
-                raise asyncio.CancelledError("client disconnected") from None
+def _watch(queue: asyncio.Queue[Any],
+           client_gone: Callable[[], Awaitable[Any]] | None) -> asyncio.Task[None] | None:
+    if client_gone is None:
+        return None
+
+    async def watch() -> None:
+        await client_gone()
+        queue.put_nowait(_GONE)
+
+    return asyncio.get_running_loop().create_task(watch())
 
 
 async def stream_text(service: Any, request: GenerationRequest, stops: list[str], *,
-                      disconnected: Callable[[], Any] | None = None
+                      client_gone: Callable[[], Awaitable[Any]] | None = None
                       ) -> AsyncIterator[str | Done]:
     """Yield text increments, then one ``Done``. Raises ``APIError`` 429 when the queue is full,
-    503 when the server stops before the request finished and 500 when the engine fails it."""
+    503 when the server stops before the request finished and 500 when the engine fails it;
+    ``ClientGone`` once ``client_gone()`` returned (the client left)."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[Any] = asyncio.Queue()
     try:
@@ -78,9 +88,13 @@ async def stream_text(service: Any, request: GenerationRequest, stops: list[str]
     detok = Detokenizer(service.tokenizer)
     stopper = StopMatcher(stops)
     produced, reason, outcome, report = 0, None, "cancelled", None
+    watcher = _watch(queue, client_gone)
     try:
         while True:
-            event = await _next_event(queue, disconnected)
+            event = await queue.get()
+            if event is _GONE:
+                raise ClientGone(f"{request.request_id}: the client left after {produced} "
+                                 "generated tokens")
             if isinstance(event, TokenEvent):
                 if reason is not None:
                     continue  # generated after a stop string; not part of the answer
@@ -111,6 +125,8 @@ async def stream_text(service: Any, request: GenerationRequest, stops: list[str]
             yield Done(reason, usage_block(event.prefill, len(request.prompt_ids), produced))
             return
     finally:
+        if watcher is not None:
+            watcher.cancel()
         if not handle.done.is_set():
             handle.cancel()
         _log_end(request, handle, outcome, report, produced)

@@ -7,20 +7,26 @@ to it (``serve.sizing``), the tiers are summarized in the log, and ``ready`` (th
 banner) runs only once uvicorn accepts connections. At stop (Ctrl-C, SIGTERM) the engine is
 stopped before uvicorn waits for open connections: every running or queued request then ends
 with an error finish event, so a stream sends its error event and ``[DONE]`` and closes
-instead of being cancelled mid-write when the graceful-shutdown timeout runs out. Main thread
-(the event loop); ``on_stopping`` runs on a worker thread so the loop keeps delivering events.
+instead of being cancelled mid-write when the graceful-shutdown timeout runs out. SIGTERM is a
+graceful stop like Ctrl-C and ``serve`` returns normally (``kvtier serve`` exits 0), whether it
+comes while the model loads or while serving. Main thread (the event loop); ``on_stopping``
+runs on a worker thread so the loop keeps delivering events.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import uvicorn
 
-from kvtier.config import KvtierConfig
+from kvtier.config import KvtierConfig, setting_name
+from kvtier.errors import ConfigError
 
 log = logging.getLogger("kvtier.serve")
 
@@ -48,13 +54,46 @@ class KvtierServer(uvicorn.Server):
         await super().shutdown(sockets=sockets)
 
 
+class Terminated(BaseException):
+    """SIGTERM arrived; raised by ``stop_on_sigterm``'s handler, caught by ``serve``."""
+
+
+@contextmanager
+def stop_on_sigterm() -> Iterator[None]:
+    """While inside, SIGTERM raises ``Terminated`` (main thread only). uvicorn installs its own
+    handlers while it serves and, once it has stopped gracefully, raises the signal again: it
+    then lands here too."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(_signum: int, _frame: Any) -> None:
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def serve(config: KvtierConfig, explicit: set[str] | None = None,
           ready: Callable[[str], None] | None = None) -> None:
     """Bind, load the engine, serve HTTP until interrupted. ``explicit``: the settings the user
     set (the others may be sized to the model)."""
+    try:
+        with stop_on_sigterm():
+            _serve(config, explicit, ready)
+    except Terminated:
+        log.info("stopped (SIGTERM)")
+
+
+def _serve(config: KvtierConfig, explicit: set[str] | None,
+           ready: Callable[[str], None] | None) -> None:
     from kvtier.engine.hf import load_model
     from kvtier.engine.service import EngineService
     from kvtier.serve.app import create_app
+    from kvtier.serve.edge import server_config
     from kvtier.serve.logs import tiers_summary
     from kvtier.serve.preflight import bind_listener
     from kvtier.serve.sizing import size_pools
@@ -64,6 +103,9 @@ def serve(config: KvtierConfig, explicit: set[str] | None = None,
         engine = config.engine
         lm = load_model(engine.model, device=engine.device, dtype=engine.dtype, seed=engine.seed,
                         attention=engine.attention)
+        if config.server.max_model_len > lm.max_positions:
+            raise ConfigError(setting_name("server.max_model_len"), config.server.max_model_len,
+                              f"at most the model's {lm.max_positions} positions")
         config = size_pools(config, lm, explicit or set())
         service = EngineService.build(config, lm=lm, max_running=engine.max_running)
         try:
@@ -73,7 +115,8 @@ def serve(config: KvtierConfig, explicit: set[str] | None = None,
         app = create_app(service, config)
         base = f"http://{config.server.host}:{listener.getsockname()[1]}"
         server = KvtierServer(
-            uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S),
+            server_config(app, log_level=config.server.log_level,
+                          timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S),
             on_started=(lambda: ready(base)) if ready is not None else None,
             on_stopping=service.scheduler.stop)
         try:

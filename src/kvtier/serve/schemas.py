@@ -6,18 +6,46 @@ names a field set to something the reference engine cannot do (n > 1, logprobs, 
 so the client gets a clear 400 rather than a silently different answer. A field no model here
 declares is refused (400 ``unknown_parameter`` naming it, as OpenAI's API answers): these
 classes are the one place that says which fields a request may carry, extensions included
-(``cache_salt``, ``ignore_eos``). Request threads (asyncio); no engine imports.
+(``cache_salt``, ``ignore_eos``). Text that is not valid Unicode (a lone UTF-16 surrogate such
+as ``"\\ud800"``, which JSON can escape but no tokenizer can encode) and a ``seed`` the sampler
+cannot take are refused as 400 ``invalid_value`` naming the field. Request threads (asyncio); no
+engine imports.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from kvtier.hints import CacheHint, cache_control_hint, openai_hint, strongest
 
 MAX_STOPS = 4
+#: The seeds a sampler's generator takes: any 64-bit integer, signed or unsigned.
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(value: Any, where: str = "") -> tuple[str, int] | None:
+    """(field path, character index) of the first lone surrogate in ``value``'s strings (nested
+    lists and dicts, keys included), or None."""
+    if isinstance(value, str):
+        match = _SURROGATE.search(value)
+        return (where or "body", match.start()) if match else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            path = f"{where}.{key}" if where else str(key)
+            found = lone_surrogate(key, where or "body") or lone_surrogate(item, path)
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = lone_surrogate(item, f"{where}[{i}]")
+            if found:
+                return found
+    return None
 
 
 class StreamOptions(BaseModel):
@@ -31,7 +59,7 @@ class _Common(BaseModel):
     model: str
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: list[str] = Field(default_factory=list)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -48,6 +76,18 @@ class _Common(BaseModel):
     prompt_cache_retention: Any = Field(None, description="OpenAI: 'in_memory' or '24h'")
     cache_control: Any = Field(None, description="Anthropic-style {'type': 'ephemeral', "
                                "'ttl': '5m' | '1h'} for the whole prompt")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        found = lone_surrogate(data)
+        if found:
+            raise PydanticCustomError(
+                "invalid_unicode", "the text holds a lone UTF-16 surrogate at character {at}, "
+                "which is not valid Unicode (send UTF-8 text; escape a character beyond U+FFFF "
+                "as a surrogate pair such as \\ud83d\\ude00)",
+                {"field": found[0], "at": found[1]})
+        return data
 
     def cache_hint(self) -> CacheHint | None:
         """The request's cache hint (kvtier.hints); HintError names a bad field."""

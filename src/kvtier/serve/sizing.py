@@ -1,7 +1,8 @@
 """Pool sizes of ``kvtier serve`` that the user left unset, derived from the model.
 
-Owns ``size_pools(config, lm, explicit)``. The longest sequence the server accepts (the
-model's positions, at most ``server.max_prompt_tokens`` + ``engine.max_new_tokens``) times the
+Owns ``size_pools(config, lm, explicit)`` and ``model_len(config, lm)`` (the model's positions,
+or fewer with ``server.max_model_len``). The longest sequence the server accepts (that length,
+at most ``server.max_prompt_tokens`` + ``engine.max_new_tokens``) times the
 model's KV bytes per token is one full context. Unless set by a file, a ``KVTIER_*`` variable
 or a flag:
 
@@ -29,9 +30,17 @@ CPU_HOST_POOL_CAP_BYTES = 2 * CPU_DEVICE_POOL_CAP_BYTES
 HOST_CONTEXTS_PER_DEVICE_CONTEXT = 2
 
 
+def model_len(config: KvtierConfig, lm: Any) -> int:
+    """Positions a request may use, prompt plus generated tokens: the model's, or
+    ``server.max_model_len`` when set lower."""
+    positions = int(lm.max_positions)
+    return min(positions, config.server.max_model_len) if config.server.max_model_len \
+        else positions
+
+
 def context_tokens(config: KvtierConfig, lm: Any) -> int:
     """The longest sequence this server accepts: prompt plus generated tokens."""
-    return min(int(lm.max_positions),
+    return min(model_len(config, lm),
                config.server.max_prompt_tokens + config.engine.max_new_tokens)
 
 
