@@ -26,7 +26,7 @@ OLD = {16: tuple(range(90, 10, -4)), 128: (11, 2, 7, 0, 14)}
 NEW = {16: tuple(range(3, 83, 4)), 128: (5, 12, 1, 9, 3)}
 
 
-def _run(kind_save, kind_load, dtype, block, tail, page=None):
+def _run(kind_save, kind_load, dtype, block, tail, page=None, hooks=True):
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("set TRITON_INTERPRET=0 to run the kernels compiled on the GPU")
     old, new, n = OLD[block], NEW[block], NUM_BLOCKS[block]
@@ -40,7 +40,8 @@ def _run(kind_save, kind_load, dtype, block, tail, page=None):
     try:
         tokens = [(17 * i + 3) % 30000 + 5 for i in range(count)]
         worker, source, target = round_trip(runtime, kind_save, kind_load, n, device, tokens,
-                                            old, new, count - tail, use_kernels=None)
+                                            old, new, count - tail, use_kernels=None,
+                                            hooks=hooks)
         assert worker.blocks is not None, "the CUDA path must use the transfer kernels"
         assert runtime.counts["load_errors"] == 0
         was, now = slots(old, block, count - tail), slots(new, block, count - tail)
@@ -119,3 +120,10 @@ def _long_hit_round():
 @pytest.mark.parametrize("kind", ["nhd", "hnd"])
 def test_128_token_pages_move_whole_16_token_blocks_byte_exact(kind):
     _run(kind, kind, torch.bfloat16, 16, tail=3, page=128)
+
+
+@pytest.mark.parametrize("kind", ["nhd", "hnd"])
+def test_a_full_cuda_graph_step_copies_loads_before_and_saves_after_the_forward(kind):
+    # vLLM calls no per-layer hook inside a full CUDA graph: the saves must still be copied
+    # (after the forward) and the loads land whole before it.
+    _run(kind, kind, torch.bfloat16, 16, tail=1, hooks=False)

@@ -87,7 +87,7 @@ def round_trip(runtime: ConnectorRuntime, save_kind: str, load_kind: str, num_bl
                device: str, tokens: list[int], old_blocks: tuple[int, ...],
                new_blocks: tuple[int, ...], load_tokens: int,
                use_kernels: bool, in_flight: Any = None,
-               handles: list[Any] | None = None, busy_ms: float = 0.0,
+               handles: list[Any] | None = None, busy_ms: float = 0.0, hooks: bool = True,
                ) -> tuple[WorkerSide, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Save ``tokens`` from random ``save_kind`` tensors at ``old_blocks``, then load the first
     ``load_tokens`` of them from kvtier's host tier into zeroed ``load_kind`` tensors at
@@ -97,13 +97,15 @@ def round_trip(runtime: ConnectorRuntime, save_kind: str, load_kind: str, num_bl
     flight, layer by layer); ``in_flight`` replaces the staged load's ticket (a stand-in copy
     that has not landed, for the CPU), and ``handles`` receives the staged load. ``busy_ms``
     (CUDA) keeps the device busy that long before the load is staged, as the previous step's
-    forward does, so that the load's copy is still on the bus when the worker's copies start."""
+    forward does, so that the load's copy is still on the bus when the worker's copies start.
+    ``hooks`` False runs both steps as a full CUDA graph replay does: no per-layer hook, the
+    loads copied whole before the forward (``load_all_layers``), the saves after it."""
     on_cuda = device.startswith("cuda")
     worker = WorkerSide(runtime, copy_in_forward=on_cuda, use_kernels=use_kernels)
     source = vllm_caches(runtime, save_kind, num_blocks, device, seed=7)
     worker.register_kv_caches(source, BACKENDS[save_kind])
     saving = Step(saves=[SaveSpec("w", tuple(tokens), None, old_blocks)])
-    for name, kv in source.items():
+    for name, kv in source.items() if hooks else ():
         worker.save_kv_layer(saving, name, kv)
     worker.wait_for_save(saving)
     assert runtime.drain(60.0)
@@ -124,7 +126,9 @@ def round_trip(runtime: ConnectorRuntime, save_kind: str, load_kind: str, num_bl
     target = vllm_caches(runtime, load_kind, num_blocks, device, seed=None)
     worker.register_kv_caches(target, BACKENDS[load_kind])
     worker.start_load_kv(Step(loads=[LoadSpec("r", 0, load_tokens, new_blocks)]))
-    for name in target:
+    if not hooks:
+        worker.load_all_layers()
+    for name in target if hooks else ():
         worker.wait_for_layer_load(name)
     worker.wait_for_save(Step())
     if on_cuda:
