@@ -219,9 +219,9 @@ class Case:
         self._store_then_hits(p, r, timed)
 
     def case_kvtier(self, p: list[int], r: dict[str, Any], timed: bool) -> None:
-        self._store_then_hits(p, r, timed)
-        if timed:
+        if timed:                  # first, so the prompt's own pages are the newest in the host tier
             self.unseen(len(p), r)
+        self._store_then_hits(p, r, timed)
 
     def case_disk_store(self, p: list[int], r: dict[str, Any], timed: bool) -> None:
         _, _, cached = self.gen(p, 1)
