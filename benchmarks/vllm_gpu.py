@@ -404,6 +404,9 @@ def parent_main(args: argparse.Namespace) -> None:
             log(f"case {case} / {mode} ({left:.0f} s left)")
             results.append(run_child(args, case, mode, min(left, args.case_timeout_s), logf))
             logf.flush()
+            write_report(out / "vllm_gpu.json", "vllm_gpu", {     # so far (a cut-off run keeps it)
+                "args": {k: v for k, v in vars(args).items() if k != "child_argv"},
+                "cases": results})
     summary = summarize(args, results)
     failed = [f"{r['case']}/{r['mode']}: {r.get('error')}" for r in results if not r.get("ok")]
     if failed:
