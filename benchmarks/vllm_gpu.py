@@ -48,8 +48,12 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-CASES = ("recompute", "alone", "native", "kvtier", "disk_store", "disk_hit")
-KVTIER_CASES = ("kvtier", "disk_store", "disk_hit")
+CASES = ("recompute", "alone", "native", "kvtier", "kvtier_ce", "kvtier_ce128", "disk_store",
+         "disk_hit")
+KVTIER_CASES = ("kvtier", "kvtier_ce", "kvtier_ce128", "disk_store", "disk_hit")
+#: kvtier variants: connector options beside the defaults (``kvtier``).
+VARIANTS = {"kvtier_ce": {"copy_path": "copy_engine"},
+            "kvtier_ce128": {"copy_path": "copy_engine", "page_size": 128}}
 TOKEN_LOW, TOKEN_HIGH = 5, 1000            # ordinary tokens of kvtier's tiny tokenizer
 GEN_TOKENS = 16
 THROUGHPUT_PROMPT, THROUGHPUT_NEW = 4980, 128
@@ -107,8 +111,9 @@ class Case:
             extra: dict[str, Any] = {"host_pool_bytes": f"{a.host_gib}GiB",
                                      "pinned_budget_bytes": f"{a.host_gib + 2}GiB",
                                      "staging_pages": a.staging_pages}
-            if self.name != "kvtier":
+            if self.name.startswith("disk"):
                 extra["disk_url"] = f"file://{a.disk_dir}"
+            extra.update(VARIANTS.get(self.name, {}))
             kw["kv_transfer_config"] = KVTransferConfig(
                 kv_connector="KvtierConnector",
                 kv_connector_module_path="kvtier.integrations.vllm",
@@ -154,6 +159,10 @@ class Case:
             self.gen(prompt(2 * self.args.block_size, seed=99), 1)
             self.settle()
         if self.name in KVTIER_CASES:
+            # One step more: a load whose copy had not landed when its step ended is released
+            # at the next step, and until then its pages stay on kvtier's device tier.
+            self.gen(prompt(2 * self.args.block_size, seed=98), 1)
+            self.runtime().drain(60.0)
             rt = self.runtime()
             with rt.lock:
                 for tier in tiers:
@@ -185,7 +194,7 @@ class Case:
 
     def tokens(self, p: list[int], r: dict[str, Any]) -> None:
         """16 greedy tokens, from the state the measured runs were in (a hit where there is one)."""
-        if self.name in ("native", "kvtier", "disk_hit"):
+        if self.name in ("native", "disk_hit") or self.name.startswith("kvtier"):
             self.drop_gpu_copies()
         _, toks, cached = self.gen(p, GEN_TOKENS)
         r["tokens16"], r["tokens16_cached"] = toks, cached
@@ -209,19 +218,46 @@ class Case:
     def _store_then_hits(self, p: list[int], r: dict[str, Any], timed: bool,
                          tiers: tuple[str, ...] = ("device",)) -> None:
         self.gen(p, 1)
-        hits = []
+        if self.name in KVTIER_CASES:         # a save refused under pressure: store it again
+            r["store_tries"] = 1
+            while self.held(p) < len(p) - self.args.block_size and r["store_tries"] < 3:
+                self.runtime().drain(60.0)
+                self.drop_gpu_copies()
+                self.gen(p, 1)
+                r["store_tries"] += 1
+        hits, by_tier = [], []
         for _ in range(self.args.repeats if timed else 0):
             self.drop_gpu_copies(tiers)
+            before = self.tier_hits()
             hits.append(self.gen(p, 1))
+            after = self.tier_hits()
+            by_tier.append({k: after[k] - before.get(k, 0) for k in after
+                            if after[k] != before.get(k, 0)})
         r["ttft_s"], r["cached"] = [t for t, _, _ in hits], [c for _, _, c in hits]
+        if self.name in KVTIER_CASES:
+            r["hit_tokens_by_tier"] = by_tier
+
+    def held(self, p: list[int]) -> int:
+        rt = self.runtime()
+        rt.drain(60.0)
+        with rt.lock:
+            return int(rt.cache.match(p).tokens)
+
+    def tier_hits(self) -> dict[str, int]:
+        if self.name not in KVTIER_CASES:
+            return {}
+        counts = self.runtime().stats()["connector"]
+        return {k: v for k, v in counts.items() if k.startswith("hit_tokens_")}
 
     def case_native(self, p: list[int], r: dict[str, Any], timed: bool) -> None:
         self._store_then_hits(p, r, timed)
 
     def case_kvtier(self, p: list[int], r: dict[str, Any], timed: bool) -> None:
-        if timed:                  # first, so the prompt's own pages are the newest in the host tier
+        if timed and self.args.unseen:  # first: the prompt's own pages stay the newest
             self.unseen(len(p), r)
         self._store_then_hits(p, r, timed)
+
+    case_kvtier_ce = case_kvtier_ce128 = case_kvtier
 
     def case_disk_store(self, p: list[int], r: dict[str, Any], timed: bool) -> None:
         _, _, cached = self.gen(p, 1)
@@ -341,7 +377,8 @@ def summarize(args: argparse.Namespace, results: list[dict[str, Any]]) -> dict[s
 
             want = cell("recompute", "tokens16")
             agree = {c: (cell(c, "tokens16") == want if want and cell(c, "tokens16") else None)
-                     for c in ("alone", "native", "kvtier", "disk_hit")}
+                     for c in ("alone", "native", "kvtier", "kvtier_ce", "kvtier_ce128",
+                               "disk_hit")}
             line = {"recompute_ms": cell("recompute"), "gpu_hit_ms": cell("alone"),
                     "native_hit_ms": cell("native"), "kvtier_host_hit_ms": cell("kvtier"),
                     "kvtier_disk_first_ms": cell("disk_hit", "first_ttft_ms"),
@@ -353,6 +390,9 @@ def summarize(args: argparse.Namespace, results: list[dict[str, Any]]) -> dict[s
                     "tokens_equal": agree}
             ratio = _ratio
             line["kvtier_over_native"] = ratio(line["kvtier_host_hit_ms"], line["native_hit_ms"])
+            for variant in VARIANTS:
+                line[f"{variant}_host_hit_ms"] = cell(variant)
+                line[f"{variant}_over_native"] = ratio(cell(variant), line["native_hit_ms"])
             line["recompute_over_disk"] = ratio(line["recompute_ms"], line["kvtier_disk_hit_ms"])
             line["miss_over_alone"] = ratio(line["kvtier_unseen_ms"], line["alone_unseen_ms"])
             table[key] = line
@@ -360,8 +400,11 @@ def summarize(args: argparse.Namespace, results: list[dict[str, Any]]) -> dict[s
                          line["kvtier_host_hit_ms"], line["kvtier_over_native"],
                          line["kvtier_disk_hit_ms"], line["recompute_over_disk"],
                          line["miss_over_alone"],
-                         " ".join(f"{c[:6]}={'y' if v else ('n' if v is False else '-')}"
+                         " ".join(f"{c}={'y' if v else ('n' if v is False else '-')}"
                                   for c, v in agree.items())])
+        variants = [(length, v, table[str(length)][f"{v}_host_hit_ms"],
+                     table[str(length)][f"{v}_over_native"]) for length in args.lengths
+                    for v in VARIANTS if table[str(length)][f"{v}_host_hit_ms"] is not None]
         thr = {c: by.get((c, mode), {}).get("throughput") for c in ("alone", "kvtier")}
         if thr["alone"] and thr["kvtier"]:
             thr["kvtier_over_alone"] = ratio(thr["kvtier"]["gen_tok_s"], thr["alone"]["gen_tok_s"])
@@ -371,6 +414,9 @@ def summarize(args: argparse.Namespace, results: list[dict[str, Any]]) -> dict[s
         print(format_table(["tokens", "recompute", "gpu hit", "native hit", "kvtier host",
                             "kv/native", "kvtier disk", "recomp/disk", "miss/alone",
                             "16 tokens = recompute"], rows))
+        for length, variant, ms, over in variants:
+            print(f"{length} tokens: {variant} ({VARIANTS[variant]}) host hit {ms} ms, "
+                  f"{over}x native")
         if thr.get("kvtier_over_alone") is not None:
             print(f"throughput, {args.batch} prompts x {THROUGHPUT_PROMPT} tokens, "
                   f"{THROUGHPUT_NEW} new: alone {thr['alone']['gen_tok_s']} gen tok/s, kvtier "
@@ -436,6 +482,7 @@ def main() -> None:
     p.add_argument("--gpu-mem", type=float, default=0.6)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--batch", type=int, default=16, help="throughput prompts (0: none)")
+    p.add_argument("--unseen", type=int, default=1, help="time unseen prompts (the miss path)")
     p.add_argument("--offload-gib", type=float, default=12.0,
                    help="vLLM's native CPU offloading size, and kvtier's host tier")
     p.add_argument("--staging-pages", type=int, default=2600,
