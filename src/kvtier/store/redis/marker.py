@@ -1,8 +1,9 @@
 """The run marker of a Redis page store: how kvtier notices a server that lost its pages.
 
 Owns ``RunMarker``. The key ``kvtier-run@<prefix>`` holds a random token (outside the page
-prefix, so an exact page count by ``SCAN <prefix>*`` does not see it): the first store to find it
-missing sets it (``SET NX``), and every store remembers the token it last read. A server that
+prefix, so an exact page count by ``SCAN <prefix>*`` does not see it): every check offers a new
+random token with ``SET NX`` (taken only where the key is missing) and reads the key back, and
+every store remembers the token it last read. A server that
 restarted empty, or was flushed, no longer holds it, so the next check finds another token
 (written by whichever store checked first) and reports the pages lost: the cache then drops
 what its index believed the remote tier holds at once, instead of serving misses for it and
@@ -44,14 +45,14 @@ class RunMarker:
 
     def __init__(self, prefix: bytes) -> None:
         self.rkey = MARKER + prefix
-        self._token = os.urandom(16).hex().encode()
         self._seen: Reply = None
         self._lock = threading.Lock()
 
     def check(self, endpoint: Endpoint, timeout_s: float) -> bool:
         """True if the key holds another token than at the last check (the server lost its
         pages since); the first check only notes it. Raises ``EndpointDown``."""
-        seen = endpoint.run(mark(self.rkey, self._token), Deadline(timeout_s))
+        offer = os.urandom(16).hex().encode()  # new each time: a key set again differs
+        seen = endpoint.run(mark(self.rkey, offer), Deadline(timeout_s))
         with self._lock:
             last, self._seen = self._seen, seen
         return last is not None and seen != last

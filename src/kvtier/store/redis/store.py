@@ -298,8 +298,8 @@ class RedisStore(PageStore):
         try:
             lost = self._check_marker()
         except EndpointDown as exc:
-            return Probe(f"{exc}: its pages miss and writes are refused until it answers",
-                         "unreachable")
+            return Probe(f"unreachable ({exc}): its pages miss and writes are refused until it "
+                         "answers", "unreachable")
         return Probe(lost=lost)
 
     def _check_marker(self) -> bool:
