@@ -92,6 +92,16 @@ def test_a_store_of_another_page_size_is_left_untouched_and_the_tier_stays_off(
                for r in caplog.records)
 
 
+def test_a_manifest_of_another_format_is_foreign_too(tmp_path) -> None:
+    root = tmp_path / "disk"
+    root.mkdir()
+    (root / MANIFEST).write_text(json.dumps({"format": "kvtier-file-store", "version": 9}))
+    before = tree(root)
+    with guard_over(root) as guard:
+        assert list(guard.health()["problems"]) == ["foreign"]
+    assert tree(root) == before and len(list(tmp_path.iterdir())) == 1
+
+
 def test_settings_wrong_in_themselves_still_raise(tmp_path) -> None:
     opener = functools.partial(open_store, "file://relative/disk", page_bytes=PAGE)
     with pytest.raises(ConfigError, match="relative"):

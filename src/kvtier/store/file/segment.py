@@ -300,9 +300,9 @@ def load_or_create_manifest(root: Path, page_bytes: int, segment_bytes: int,
 def read_manifest(root: Path, page_bytes: int | None = None) -> RecordLayout:
     """The layout of an existing store; ``page_bytes`` (when given) must match it.
 
-    Raises ``StoreUnavailable`` when the manifest cannot be read (permissions, IO) or belongs
-    to another format or a newer version, ``StoreCorrupt`` when it is not a valid manifest
-    (garbled JSON, missing fields), and ``LayoutMismatch`` for a store of another page size."""
+    Raises ``StoreUnavailable`` when the manifest cannot be read (permissions, IO),
+    ``StoreCorrupt`` when it is not a valid manifest (garbled JSON, missing fields), and
+    ``LayoutMismatch`` for a store of another format, a newer version or another page size."""
     path = root / MANIFEST
     try:
         text = path.read_bytes()
@@ -313,12 +313,14 @@ def read_manifest(root: Path, page_bytes: int | None = None) -> RecordLayout:
         if not isinstance(body, dict):
             raise ValueError(f"a JSON {type(body).__name__}, not an object")
         if body.get("format") != FORMAT or body.get("version") not in (1, FORMAT_VERSION):
-            raise StoreUnavailable(f"{path}: format {body.get('format')!r} "
-                                   f"v{body.get('version')} is not {FORMAT} v{FORMAT_VERSION}; "
-                                   "the directory is left untouched: give this store a "
-                                   "directory of its own")
+            raise LayoutMismatch(f"{path}: format {body.get('format')!r} "
+                                 f"v{body.get('version')} is not {FORMAT} v{FORMAT_VERSION}; "
+                                 "the directory is left untouched: give this store a "
+                                 "directory of its own")
         layout = RecordLayout(int(body["page_bytes"]), int(body["align"]), int(body["slots"]),
                               int(body["chunk_bytes"]), places=body["version"] >= 2)
+    except LayoutMismatch:
+        raise
     except (ValueError, KeyError, TypeError) as exc:
         raise StoreCorrupt(f"{path}: not a valid kvtier store manifest ({type(exc).__name__}: "
                            f"{exc})", identity(root)) from None
