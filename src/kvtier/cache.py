@@ -35,7 +35,7 @@ from kvtier.controller.controller import CacheController
 from kvtier.controller.handles import Hit, Loaded
 from kvtier.controller.ranks import Collective
 from kvtier.controller.split import RateBook
-from kvtier.controller.wiring import bind_host_pool, open_stores
+from kvtier.controller.wiring import bind_host_pool, open_guarded_stores
 from kvtier.errors import ConfigError, LayoutMismatch
 from kvtier.index.radix import RadixIndex
 from kvtier.keys import KeyNamespace, Tokens
@@ -79,6 +79,10 @@ class TieredCache:
         ``heads_per_record`` heads a record, so ranks of any TP size share pages. ``namespace``
         is the full model's, the same on every rank.
 
+        Stores opened from the config fail open: each sits behind a ``StoreGuard``, so a store
+        that cannot be opened (unreachable, a damaged or foreign directory) leaves its tier off,
+        said in the log and ``health``, and is opened again in the background; only settings
+        wrong in themselves raise ``ConfigError``.
         ``stores`` (tier -> store) replaces the stores the config names (tests wrap stores in
         latency or fault injectors this way). Store tiers without a host pool, and a host pool
         smaller than one page, are refused (``ConfigError`` naming the settings).
@@ -107,7 +111,8 @@ class TieredCache:
             host_pool = HostPool.from_bytes(layout, config.host.pool_bytes, budget,
                                             host_layout=config.host.layout, pin=pin_host)
         if heads is None:
-            opened = stores if stores is not None else open_stores(config, layout) if host_pool else {}
+            opened = stores if stores is not None else (
+                open_guarded_stores(config, layout) if host_pool else {})
         else:
             opened = _head_group_stores(config, model_layout, heads, heads_per_record, stores,
                                         open_config=host_pool is not None)
@@ -251,6 +256,13 @@ class TieredCache:
 
         return cache_stats(self.ctx, self.controller, self.pinned_budget)
 
+    def store_health(self) -> dict[str, dict[str, object]]:
+        """Per store tier opened from the config: ``state`` (on, degraded, off), ``problems``
+        (reason -> message), ``retry_in_s`` while off, event counts. Any thread."""
+        from kvtier.controller.stats import store_health
+
+        return store_health(self.ctx)
+
     def close(self) -> None:
         """Stop the workers (in-flight backups are cancelled) and close stores and pools."""
         if self._closed:
@@ -300,11 +312,19 @@ def _check_host_tier(config: KvtierConfig, layout: KVLayout,
 def _head_group_stores(config: KvtierConfig, layout: KVLayout, heads: tuple[int, int],
                        heads_per_record: int, stores: dict[str, PageStore] | None, *,
                        open_config: bool) -> dict[str, PageStore]:
-    """The rank's view (``HeadGroupStore``) of each shared store of head-group records."""
+    """The rank's view (``HeadGroupStore``) of each shared store of head-group records (for
+    stores opened from the config, inside their guard)."""
     from kvtier.store.head_groups import HeadGroupStore, check_heads
 
     record = check_heads(layout, heads, heads_per_record)  # before any store opens
-    inner = stores if stores is not None else open_stores(config, record) if open_config else {}
-    return {tier: HeadGroupStore(store, layout, heads, heads_per_record)
-            for tier, store in inner.items()}
+
+    def view(store: PageStore) -> PageStore:
+        return HeadGroupStore(store, layout, heads, heads_per_record)
+
+    if stores is not None:
+        return {tier: view(store) for tier, store in stores.items()}
+    if not open_config:
+        return {}
+    return open_guarded_stores(config, record, wrap=view,
+                               page_bytes=layout.for_heads(heads).page_bytes)
 

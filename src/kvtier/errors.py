@@ -49,6 +49,16 @@ class StoreUnavailable(KvtierError, ConnectionError):
     """A page store cannot be opened or reached (bad URL, wrong password, unreachable server)."""
 
 
+class StoreCorrupt(StoreUnavailable):
+    """A store's own description of itself is damaged (a lost or garbled manifest, a garbage
+    journal head), so none of its pages can be read. ``location`` (when set) is the directory
+    and its ``(st_dev, st_ino)`` as found, which a fail-open opener may move aside."""
+
+    def __init__(self, message: str, location: tuple[str, int, int] | None = None) -> None:
+        super().__init__(message)
+        self.location = location
+
+
 class StoreClosed(KvtierError, RuntimeError):
     """An operation was attempted on a store after ``close()``."""
 

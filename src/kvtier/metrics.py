@@ -4,7 +4,8 @@ Owns ``render_metrics(snapshot) -> bytes`` and ``CONTENT_TYPE``. The snapshot is
 the caller gathers (the server's ``/metrics`` route does so on the engine thread)::
 
     {"info": {"version", "model"}, "requests": RequestStats.snapshot(),
-     "scheduler": Scheduler.stats(), "cache": TieredCache.stats() or None,
+     "scheduler": Scheduler.stats(), "cache": TieredCache.stats() or None (with
+     "store_health": the store guards' states),
      "http": RequestLimits counters, "process": process_snapshot(),
      "bindings": BindingTable.stats()}
 
@@ -64,6 +65,7 @@ class _SnapshotCollector:
         if cache:
             yield from _cache(cache)
             yield from _stores(cache.get("stores") or {})
+            yield from _store_health(cache.get("store_health") or {})
             yield from _memory(cache)
             yield _write_refused(cache)
         yield from _bindings(snap.get("bindings") or {})
@@ -258,6 +260,32 @@ def _stores(stores: Mapping[str, Mapping[str, Any]]) -> Iterator[Metric]:
     yield _gauge("kvtier_store_used_bytes", "Bytes a store holds.", rows["used"], labels)
     yield _gauge("kvtier_store_pages", "Pages a store holds.", rows["pages"], labels)
     yield _gauge("kvtier_store_capacity_bytes", "A store's byte cap.", rows["capacity"], labels)
+
+
+def _store_health(health: Mapping[str, Mapping[str, Any]]) -> Iterator[Metric]:
+    up: Rows = []
+    degraded: Rows = []
+    problems: Rows = []
+    events: Rows = []
+    for tier, h in sorted(health.items()):
+        up.append(((tier, str(h.get("backend", ""))), 0 if h.get("state") == "off" else 1))
+        degraded += [((tier, str(reason)), 1) for reason in sorted(h.get("problems") or {})]
+        problems += [((tier, str(r)), n) for r, n in sorted((h.get("problems_total") or {}).items())
+                     if _number(n)]
+        events += [((tier, str(e)), n) for e, n in sorted((h.get("events_total") or {}).items())
+                   if _number(n)]
+    yield _gauge("kvtier_store_up", "1 while a store tier serves (on or degraded), 0 while it is "
+                 "off: it could not be opened or was lost, and is retried in the background.",
+                 up, ("tier", "backend"))
+    yield _gauge("kvtier_store_degraded", "1 per problem a store tier has now, by reason "
+                 "(unavailable, corrupt, foreign, config: off; unreachable, gone, full, "
+                 "io_errors, corrupt_pages: degraded).", degraded, ("tier", "reason"))
+    yield _counter("kvtier_store_problems_total", "Store problems seen, by reason: failed "
+                   "opens, and checks (every 2 s) that found new evidence of one.", problems,
+                   ("tier", "reason"))
+    yield _counter("kvtier_store_events_total", "Store tier events: opened, open_failed, "
+                   "set_aside (a damaged directory moved aside), lost (its pages gone: a "
+                   "restart empty, a directory removed).", events, ("tier", "event"))
 
 
 def _write_refused(cache: Mapping[str, Any]) -> Metric:

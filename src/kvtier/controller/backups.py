@@ -59,8 +59,9 @@ class Backups:
         ``match``: a walk of ``data`` to reuse while the index is unchanged."""
         if not self.ctx.stores or self.ctx.workers is None:
             return
-        for tier in self.ctx.stores:
-            match = self._schedule(tier, data, salt, keys, match)
+        for tier, store in self.ctx.stores.items():
+            if store.available:  # a tier that is off takes no backups (it may come back)
+                match = self._schedule(tier, data, salt, keys, match)
 
     def _schedule(self, tier: str, data: bytes, salt: bytes, keys: Sequence[bytes],
                   match: IndexMatch | None) -> IndexMatch:

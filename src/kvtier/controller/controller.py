@@ -50,6 +50,7 @@ class CacheController:
         self.loader = LoadBack(ctx, self.prefetcher, self.writer, self.ranks, self.private_owner)
         ctx.index.on_evict = self.writer.on_evict
         self.hints = HintBook(ctx.index, ctx.config.hint_share, ctx.count)
+        self._store_epochs = {tier: store.epoch for tier, store in ctx.stores.items()}
 
     # ---- requests ------------------------------------------------------------------------
     def prefetch(self, hit: Hit, recompute_tokens: int = 0) -> None:
@@ -165,6 +166,7 @@ class CacheController:
     # ---- background --------------------------------------------------------------------------
     def poll(self) -> None:
         """Reap finished copies and IO jobs, then retry deferred backups (engine thread)."""
+        self._forget_lost_stores()
         self.writer.poll()
         workers = self.ctx.workers
         if workers is None:
@@ -176,6 +178,18 @@ class CacheController:
             elif self.backups.owns(job):
                 self.backups.reap(job)
         self.backups.retry_deferred()
+
+    def _forget_lost_stores(self) -> None:
+        """Drop the index's marks of a store tier whose pages may be gone (its ``epoch`` grew:
+        reopened, its directory replaced, its server restarted empty), so lookups stop
+        promising them and commits write them again at once."""
+        for tier, store in self.ctx.stores.items():
+            epoch, seen = store.epoch, self._store_epochs.get(tier)
+            if epoch != seen:
+                self._store_epochs[tier] = epoch
+                if seen is not None:
+                    self.ctx.count(f"store_lost_total.{tier}")
+                    self.ctx.count(f"store_lost_pages_total.{tier}", self.ctx.index.clear(tier))
 
     def _observe_job(self, kind: str, job: PrefetchJob) -> None:
         if job.landed and job.segments and job.finished_at > job.started:

@@ -1,9 +1,10 @@
 """``TieredCache.stats()``: one plain-data snapshot of the cache (pulled, never pushed).
 
 Owns ``cache_stats``: per-tier pages (resident, evictable, protected, free), index shape, hits
-and prefetch outcomes (counters named ``a.b`` become nested ``{"a": {"b": n}}``), stores,
-workers, write admission, copy engine, pinned bytes and rank agreement. ``kvtier.metrics``
-turns it into Prometheus series. Engine thread.
+and prefetch outcomes (counters named ``a.b`` become nested ``{"a": {"b": n}}``), stores and
+their health, workers, write admission, copy engine, pinned bytes and rank agreement; and
+``store_health`` (the guards' states alone, any thread). ``kvtier.metrics`` turns the snapshot
+into Prometheus series. Engine thread.
 """
 
 from __future__ import annotations
@@ -34,6 +35,17 @@ def nest_counters(counters: dict[str, int]) -> dict[str, object]:
     return out
 
 
+def store_health(ctx: CacheContext) -> dict[str, dict[str, object]]:
+    """Per supervised store tier: its guard's ``health()`` (state on / degraded / off, the
+    problems, when it is retried). Any thread: guards are thread-safe."""
+    out = {}
+    for tier, store in list(ctx.stores.items()):
+        health = store.health()
+        if health is not None:
+            out[tier] = health
+    return out
+
+
 def cache_stats(ctx: CacheContext, controller: CacheController,
                 pinned_budget: PinnedBudget | None) -> dict[str, object]:
     index = ctx.index
@@ -52,6 +64,7 @@ def cache_stats(ctx: CacheContext, controller: CacheController,
         "outside_index": controller.outstanding(),
         "counters": nest_counters(dict(ctx.counters)),
         "stores": {tier: store.stats().as_dict() for tier, store in ctx.stores.items()},
+        "store_health": store_health(ctx),
         "ranks": {"distributed": controller.ranks.distributed,
                   "collective_calls": controller.ranks.calls},
         "rates": {"prefill_tokens_per_s": ctx.rates.prefill_tokens_per_s if ctx.rates else None,

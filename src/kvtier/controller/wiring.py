@@ -1,6 +1,8 @@
 """Wiring of a host pool and of stores into a cache's shared state, for building and for changes.
 
-Owns ``open_stores`` (the stores a config names, with its defaults for each tier), and the two
+Owns ``open_stores`` (the stores a config names, with its defaults for each tier; raises when
+one cannot be opened), ``open_guarded_stores`` (the same, fail-open: each behind a
+``StoreGuard`` that keeps the tier off and retries instead), and the two
 binding functions that every path uses: ``TieredCache.build`` when it builds a cache, and the
 admin operations (``kvtier.admin``) when they attach a store or rebuild the host pool on a live
 one.
@@ -17,10 +19,12 @@ Engine thread only (building, or a change with the engine idle).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, urlsplit
 
-from kvtier.config import KvtierConfig
+from kvtier.config import KvtierConfig, redact_url
 from kvtier.controller.context import CacheContext
 from kvtier.errors import ConfigError
 from kvtier.index.residency import TIER_INDEX
@@ -29,6 +33,7 @@ from kvtier.store.base import PageStore
 
 if TYPE_CHECKING:
     from kvtier.memory.host_pool import HostPool
+    from kvtier.store.supervisor import GuardSettings
 
 
 def bind_host_pool(ctx: CacheContext, pool: HostPool | None, config: KvtierConfig) -> None:
@@ -82,31 +87,81 @@ def bind_store(ctx: CacheContext, tier: str, store: PageStore, config: KvtierCon
 
 def open_stores(config: KvtierConfig, layout: KVLayout) -> dict[str, PageStore]:
     """The disk and remote stores ``config.store`` names, opened with the config's options for
-    each (an option the URL's query sets itself wins). Closes what it opened if one fails."""
-    from kvtier.store import open_store
-
+    each (an option the URL's query sets itself wins). Raises what opening raises, after
+    closing what it opened (an operator's attach wants the reason at once)."""
     out: dict[str, PageStore] = {}
-    store = config.store
     try:
-        if store.disk_url:
-            options: dict[str, object] = {"max_bytes": store.disk_max_bytes}
-            if urlsplit(store.disk_url).scheme == "file":
-                options["min_free_bytes"] = store.disk_min_free_bytes
-            out["disk"] = open_store(store.disk_url, page_bytes=layout.page_bytes,
-                                     **_not_in_query(store.disk_url, options))
-        if store.remote_url:
-            options = {"timeout_s": store.remote_timeout_s}
-            if store.remote_ttl_s:
-                options["ttl_s"] = store.remote_ttl_s
-            if urlsplit(store.remote_url).scheme == "memory":
-                options = {}
-            out["remote"] = open_store(store.remote_url, page_bytes=layout.page_bytes,
-                                       **_not_in_query(store.remote_url, options))
+        for tier, (_, opener) in store_openers(config, layout).items():
+            out[tier] = opener()
     except BaseException:
         for opened in out.values():
             opened.close()
         raise
     return out
+
+
+def open_guarded_stores(config: KvtierConfig, layout: KVLayout,
+                        wrap: Callable[[PageStore], PageStore] | None = None,
+                        page_bytes: int | None = None,
+                        settings: GuardSettings | None = None) -> dict[str, PageStore]:
+    """Fail-open ``open_stores``: each tier's store behind a ``StoreGuard``, which starts the
+    tier off (and reopens it in the background) when its store cannot be opened. Only
+    ``ConfigError`` (settings wrong in themselves) is raised. ``wrap`` (a rank's head-group
+    view, of ``page_bytes`` pages) wraps each store the guard opens."""
+    from kvtier.store.guard import StoreGuard
+
+    out: dict[str, PageStore] = {}
+    try:
+        for tier, (url, opener) in store_openers(config, layout).items():
+            scheme = urlsplit(url).scheme
+            inner = opener if wrap is None else _wrapped(opener, wrap)
+            out[tier] = StoreGuard.open(tier, inner, page_bytes=page_bytes or layout.page_bytes,
+                                        scheme=scheme,
+                                        url=redact_url(url), settings=settings)
+    except BaseException:
+        for opened in out.values():
+            opened.close()
+        raise
+    return out
+
+
+def store_openers(config: KvtierConfig,
+                  layout: KVLayout) -> dict[str, tuple[str, Callable[[], PageStore]]]:
+    """Per store tier the config names: its URL and how to open it with the config's options."""
+    from kvtier.store import open_store
+
+    out: dict[str, tuple[str, Callable[[], PageStore]]] = {}
+    store = config.store
+    if store.disk_url:
+        options: dict[str, object] = {"max_bytes": store.disk_max_bytes}
+        if urlsplit(store.disk_url).scheme == "file":
+            options["min_free_bytes"] = store.disk_min_free_bytes
+        out["disk"] = (store.disk_url, functools.partial(
+            open_store, store.disk_url, page_bytes=layout.page_bytes,
+            **_not_in_query(store.disk_url, options)))
+    if store.remote_url:
+        options = {"timeout_s": store.remote_timeout_s}
+        if store.remote_ttl_s:
+            options["ttl_s"] = store.remote_ttl_s
+        if urlsplit(store.remote_url).scheme == "memory":
+            options = {}
+        out["remote"] = (store.remote_url, functools.partial(
+            open_store, store.remote_url, page_bytes=layout.page_bytes,
+            **_not_in_query(store.remote_url, options)))
+    return out
+
+
+def _wrapped(opener: Callable[[], PageStore],
+             wrap: Callable[[PageStore], PageStore]) -> Callable[[], PageStore]:
+    def open_wrapped() -> PageStore:
+        store = opener()
+        try:
+            return wrap(store)
+        except BaseException:
+            store.close()
+            raise
+
+    return open_wrapped
 
 
 def _not_in_query(url: str, options: dict[str, object]) -> dict[str, object]:

@@ -1,6 +1,9 @@
 """The FastAPI application: routers, ``/health``, the API-key guard, limits and error counts.
 
-Owns ``create_app(service, config)``. Routers come from the modules in ``ROUTER_MODULES``, each
+Owns ``create_app(service, config)`` and ``/health``: 200 while the engine runs, with
+``status`` "degraded" and the reason under ``tiers`` while a store tier is off or failing (the
+engine serves without it: a cache problem is no reason to restart or unroute the server), 503
+once the engine stopped. Routers come from the modules in ``ROUTER_MODULES``, each
 exposing ``build_router(service, config)`` (the OpenAI routes, the admin API and ``/metrics``).
 ``server.api_key`` guards ``/v1/*`` with a bearer key (``serve.auth.ApiKeyGuard``);
 ``serve.limits`` refuses oversized and late bodies and too many requests in flight;
@@ -70,13 +73,26 @@ def create_app(service: Any, config: KvtierConfig) -> Any:
 
     @app.get("/health")
     async def health() -> Any:
-        body = {"status": "ok" if service.alive else "engine stopped",
-                "model": service.model_name, **service.scheduler.stats()}
+        tiers = _store_health(service)
+        status = "ok" if service.alive else "engine stopped"
+        if service.alive and any(t.get("state") != "on" for t in tiers.values()):
+            status = "degraded"  # serving: a store tier is off or failing (``tiers`` says why)
+        body = {"status": status, "model": service.model_name, **service.scheduler.stats(),
+                "tiers": tiers}
         return JSONResponse(body, status_code=200 if service.alive else 503)
 
     for name in ROUTER_MODULES:
         app.include_router(importlib.import_module(name).build_router(service, config))
     return app
+
+
+def _store_health(service: Any) -> dict[str, dict[str, Any]]:
+    """The store guards' states (thread-safe: read here, not on the engine thread)."""
+    prefix_cache = getattr(service, "prefix_cache", None)
+    if prefix_cache is None:
+        return {}
+    health: dict[str, dict[str, Any]] = prefix_cache.tiered.store_health()
+    return health
 
 
 def _version() -> str:

@@ -127,6 +127,11 @@ def tiers_summary(service: Any) -> str:
         if store is None:
             parts.append(f"{tier} off")
             continue
+        health = store.health()
+        if health is not None and health.get("state") == "off":
+            why = ", ".join(health.get("problems") or {}) or "unavailable"
+            parts.append(f"{tier} {redact_url(url)}: off ({why}; retried in the background)")
+            continue
         st = store.stats()
         cap = f" of {_size(st.capacity_bytes)}" if st.capacity_bytes else ""
         parts.append(f"{tier} {redact_url(url)}: {st.pages} pages found "

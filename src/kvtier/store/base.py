@@ -48,6 +48,24 @@ class StoreStats:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+@dataclass(frozen=True)
+class Probe:
+    """What a store's health check found (``PageStore.probe``).
+
+    ``problem``: empty when healthy, else one sentence that says what is wrong and what to do;
+    ``reason``: its class (``unreachable``, ``gone``, ``io_errors``), a metric label;
+    ``lost``: the pages the store held may be gone (a server restarted empty, a flush), so
+    what an index believes the store holds is stale; ``reopen``: this handle can no longer
+    serve (its directory was removed or replaced) and the store must be opened again;
+    ``detail``: what bounds the store's writes now (free space, cap), said when they fail."""
+
+    problem: str = ""
+    reason: str = ""
+    lost: bool = False
+    reopen: bool = False
+    detail: str = ""
+
+
 class StoreCounters:
     """Lifetime counters of a store, safe to bump from several threads."""
 
@@ -146,6 +164,29 @@ class PageStore(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release files, connections and threads. Idempotent."""
+
+    # ---- health (overridden by backends that can tell more) ----------------------------
+    def probe(self) -> Probe:
+        """A cheap health check, run off the IO path (a store guard's thread) every few
+        seconds; never raises for an outage (it says so instead)."""
+        return Probe()
+
+    @property
+    def available(self) -> bool:
+        """False while nothing serves behind this store (a guard whose store is off): callers
+        may skip work for it. Every call still answers (misses, refused writes)."""
+        return True
+
+    @property
+    def epoch(self) -> int:
+        """Grows each time the pages this store held may have been lost (a reopen, a server
+        restarted empty): what an index believed it holds before is stale."""
+        return 0
+
+    def health(self) -> dict[str, object] | None:
+        """State of a supervised store (``state``, ``problems``, retry times), any thread;
+        None for a store nobody supervises."""
+        return None
 
     # ---- derived -----------------------------------------------------------------------
     def read_ranges_into(self, keys: Sequence[bytes], ranges: Sequence[ByteRange],

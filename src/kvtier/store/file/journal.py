@@ -30,7 +30,8 @@ from typing import NamedTuple
 import numpy as np
 import xxhash
 
-from kvtier.errors import StoreUnavailable
+from kvtier.errors import StoreCorrupt
+from kvtier.store.quarantine import identity
 
 OP_PUT, OP_DELETE, OP_EVICT, OP_SEAL, OP_SEGMENT = 1, 2, 3, 4, 5
 ENTRY_BYTES = 64
@@ -120,9 +121,9 @@ class Journal:
         try:
             return int(text.strip() or 0)
         except ValueError:
-            raise StoreUnavailable(f"{self.root / 'HEAD'} does not hold a journal generation "
-                                   f"number (it holds {text[:40]!r}); the store's index cannot "
-                                   "be found") from None
+            raise StoreCorrupt(f"{self.root / 'HEAD'} does not hold a journal generation "
+                               f"number (it holds {text[:40]!r}); the store's index cannot "
+                               "be found", identity(self.root)) from None
 
     # ---- loading -------------------------------------------------------------------------
     def load(self, apply_snapshot: Callable[[np.ndarray, int], None], apply: Apply) -> None:

@@ -38,8 +38,9 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from kvtier.errors import LayoutMismatch, StoreUnavailable
+from kvtier.errors import LayoutMismatch, StoreCorrupt, StoreUnavailable
 from kvtier.keys import KEY_BYTES
+from kvtier.store.quarantine import identity
 from kvtier.store.record import HEADER_BYTES, MAGIC, RECORD_VERSION, Verdict, encode_header
 
 MANIFEST = "kvtier-store.json"
@@ -271,16 +272,17 @@ def load_or_create_manifest(root: Path, page_bytes: int, segment_bytes: int,
                             max_bytes: int | None) -> RecordLayout:
     """The layout recorded in ``root``'s manifest, creating it (atomically) for a new store.
 
-    Raises ``StoreUnavailable`` for a directory that holds a store's journal or segments but
-    no manifest: its layout is unknown, and guessing one would misread every record."""
+    Raises ``StoreCorrupt`` for a directory that holds a store's journal or segments but no
+    manifest (its layout is unknown, and guessing one would misread every record), and what
+    ``read_manifest`` raises."""
     path = root / MANIFEST
     # The manifest is written before any other file of a store: files without it (looked for
     # again after seeing them, in case a concurrent creator just finished) mean it was lost.
     if not path.exists() and _holds_store_files(root) and not path.exists():
-        raise StoreUnavailable(
+        raise StoreCorrupt(
             f"{root} holds a kvtier store's index or segments but no {MANIFEST}, so the layout "
             f"of its records is unknown; restore {MANIFEST} (or remove the directory to start "
-            "an empty store)")
+            "an empty store)", identity(root))
     if not path.exists():
         layout = RecordLayout.plan(page_bytes, segment_bytes, max_bytes)
         body = {"format": FORMAT, "version": FORMAT_VERSION, **asdict(layout)}  # derived too
@@ -296,20 +298,36 @@ def load_or_create_manifest(root: Path, page_bytes: int, segment_bytes: int,
 
 
 def read_manifest(root: Path, page_bytes: int | None = None) -> RecordLayout:
-    """The layout of an existing store; ``page_bytes`` (when given) must match it."""
+    """The layout of an existing store; ``page_bytes`` (when given) must match it.
+
+    Raises ``StoreUnavailable`` when the manifest cannot be read (permissions, IO),
+    ``StoreCorrupt`` when it is not a valid manifest (garbled JSON, missing fields), and
+    ``LayoutMismatch`` for a store of another format, a newer version or another page size."""
     path = root / MANIFEST
     try:
-        body = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise StoreUnavailable(f"{path}: not a readable kvtier store manifest ({exc})") from None
-    if body.get("format") != FORMAT or body.get("version") not in (1, FORMAT_VERSION):
-        raise StoreUnavailable(f"{path}: format {body.get('format')!r} v{body.get('version')} "
-                               f"is not {FORMAT} v{FORMAT_VERSION}")
-    layout = RecordLayout(body["page_bytes"], body["align"], body["slots"], body["chunk_bytes"],
-                          places=body["version"] >= 2)
+        text = path.read_bytes()
+    except OSError as exc:
+        raise StoreUnavailable(f"{path}: cannot read the store manifest ({exc})") from None
+    try:
+        body = json.loads(text)
+        if not isinstance(body, dict):
+            raise ValueError(f"a JSON {type(body).__name__}, not an object")
+        if body.get("format") != FORMAT or body.get("version") not in (1, FORMAT_VERSION):
+            raise LayoutMismatch(f"{path}: format {body.get('format')!r} "
+                                 f"v{body.get('version')} is not {FORMAT} v{FORMAT_VERSION}; "
+                                 "the directory is left untouched: give this store a "
+                                 "directory of its own")
+        layout = RecordLayout(int(body["page_bytes"]), int(body["align"]), int(body["slots"]),
+                              int(body["chunk_bytes"]), places=body["version"] >= 2)
+    except LayoutMismatch:
+        raise
+    except (ValueError, KeyError, TypeError) as exc:
+        raise StoreCorrupt(f"{path}: not a valid kvtier store manifest ({type(exc).__name__}: "
+                           f"{exc})", identity(root)) from None
     if page_bytes is not None and layout.page_bytes != page_bytes:
-        raise LayoutMismatch(f"{root} holds pages of {layout.page_bytes} bytes, "
-                             f"not {page_bytes}")
+        raise LayoutMismatch(f"{root} holds pages of {layout.page_bytes} bytes (another model, "
+                             f"dtype or page size), not {page_bytes}; the directory is left "
+                             "untouched: give this store a directory of its own")
     return layout
 
 

@@ -41,12 +41,14 @@ from kvtier.layout import ByteRange
 from kvtier.store.base import (
     Buffer,
     PageStore,
+    Probe,
     StoreCounters,
     StoreStats,
     readable_view,
     writable_view,
 )
 from kvtier.store.file.evict import Evictor
+from kvtier.store.file.health import manifest_identity, probe_file_store
 from kvtier.store.file.index import SLOT_BITS, PageIndex
 from kvtier.store.file.journal import OP_DELETE, OP_PUT, OP_SEGMENT, Entry, Journal
 from kvtier.store.file.options import FileStoreOptions, file_url_path
@@ -83,6 +85,9 @@ class FileStore(PageStore):
             self.segments_dir.mkdir(parents=True, exist_ok=True)
             self.layout = load_or_create_manifest(self.root, page_bytes, self.options.segment_bytes,
                                                   self.options.max_bytes)
+            self.manifest_id = manifest_identity(self.root)
+        except StoreUnavailable:
+            raise
         except OSError as exc:
             raise StoreUnavailable(f"cannot open file store at {self.root}: {exc}") from None
         if self.options.direct:
@@ -102,6 +107,9 @@ class FileStore(PageStore):
         try:
             self.open_seconds = self._load()
             self.evictor.clean_leftovers()
+        except StoreUnavailable:
+            self.close()
+            raise
         except OSError as exc:
             self.close()
             raise StoreUnavailable(f"cannot load the index of {self.root}: {exc}") from None
@@ -315,6 +323,10 @@ class FileStore(PageStore):
         pages = len(self.index.where)
         return StoreStats(backend=self.scheme, pages=pages, bytes=pages * self.page_bytes,
                           capacity_bytes=self.options.max_bytes, **self.counters.snapshot())
+
+    def probe(self) -> Probe:
+        """Whether the directory is still the one opened, and what bounds its writes."""
+        return probe_file_store(self)
 
     def resize(self, max_bytes: int | None, wait_s: float = 5.0) -> dict[str, object]:
         """Set the cap on segment bytes now; a shrink evicts oldest segments (no reinsertion)

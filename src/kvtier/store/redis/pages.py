@@ -1,28 +1,47 @@
 """Reading a run of GET replies that are page records, many replies per system call.
 
-Owns ``read_pages``. Over plain TCP, the replies of pipelined GETs are received with vectored
-receives (``Channel.recv_scattered``) into buffers laid out as the replies should arrive: per
-page, the framing (the previous reply's CRLF and the ``$<size>`` line) into one small area,
-the record header into another, then the payload into the caller's page buffer. One system
-call takes as many replies as the socket holds, and payloads still arrive with only the
-kernel's copy. The framing area is checked against what page replies send with one comparison
-per receive, partial frames included, so the reader never waits for bytes the server does not
-owe: at the first reply that is not a record of the expected size (a miss, an error, another
-length) the bytes received from its start on are handed back to the ``ReplyReader``, which
-parses that reply the general way (``ReplyReader.page``), and bulk reading resumes once the
-reader holds nothing again. TLS sockets take the general path for every reply. Runs on the IO
-worker thread that called the store; on any exception the connection's state is unknown (the
-caller disconnects it).
+Owns ``read_pages`` and ``page_views`` (the flat byte views of callers' page buffers). Over plain
+TCP, the replies of pipelined GETs are received with vectored receives (``Channel.recv_scattered``)
+into buffers laid out as the replies should arrive: per page, the framing (the previous reply's
+CRLF and the ``$<size>`` line) into one small area, the record header into another, then the
+payload into the caller's page buffer. One system call takes as many replies as the socket holds,
+and payloads still arrive with only the kernel's copy. The framing area is checked against what
+page replies send with one comparison per receive, partial frames included, so the reader never
+waits for bytes the server does not owe: at the first reply that is not a record of the expected
+size (a miss, an error, another length) the bytes received from its start on are handed back to the
+``ReplyReader``, which parses that reply the general way (``ReplyReader.page``), and bulk reading
+resumes once the reader holds nothing again. TLS sockets take the general path for every reply.
+Runs on the IO worker thread that called the store; on any exception the connection's state is
+unknown (the caller disconnects it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvtier.store.base import Buffer, readable_view, writable_view
 from kvtier.store.redis.channel import MAX_VIEWS
 from kvtier.store.redis.wire import ProtocolError, Reply, ReplyReader
 
 _CRLF = b"\r\n"
+
+
+def page_views(buffers: Sequence[Buffer], nbytes: int, *, writable: bool) -> list[memoryview]:
+    """``writable_view`` / ``readable_view`` of each buffer, with a shortcut for the usual flat
+    byte buffers (numpy uint8 rows, bytearrays); anything else, and every misfit, goes through
+    those functions (which raise the errors)."""
+    slow = writable_view if writable else readable_view
+    views = []
+    for buffer in buffers:
+        try:
+            view = memoryview(buffer)
+        except TypeError:  # a torch tensor
+            view = None
+        if (view is None or view.nbytes != nbytes or view.format != "B" or view.ndim != 1
+                or (writable and view.readonly) or not view.c_contiguous):
+            view = slow(buffer, nbytes)
+        views.append(view)
+    return views
 
 
 def read_pages(reader: ReplyReader, header_bytes: int, dests: Sequence[memoryview]) -> list[Reply]:

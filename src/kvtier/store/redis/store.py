@@ -28,13 +28,15 @@ from urllib.parse import urlsplit
 from kvtier.config import redact_url
 from kvtier.errors import ConfigError, StoreUnavailable
 from kvtier.keys import KEY_BYTES
-from kvtier.store.base import Buffer, PageStore, StoreCounters, StoreStats, readable_view, writable_view
+from kvtier.store.base import Buffer, PageStore, Probe, StoreCounters, StoreStats
 from kvtier.store.record import HEADER_BYTES
 from kvtier.store.redis.channel import Deadline
 from kvtier.store.redis.endpoint import MOVED_KINDS, Endpoint, EndpointDown, Work
+from kvtier.store.redis.marker import RunMarker
 from kvtier.store.redis.nodes import ClusterRouter, StandaloneRouter, open_router
 from kvtier.store.redis.ops import Info, get_pages, glob_escape, per_key, server_info, set_pages
 from kvtier.store.redis.options import RedisOptions, parse_redis_url
+from kvtier.store.redis.pages import page_views
 from kvtier.store.redis.verify import PageJudge, Verdicts
 from kvtier.store.redis.wire import ServerError
 
@@ -44,24 +46,6 @@ log = logging.getLogger(__name__)
 
 _CREDENTIAL_KINDS = frozenset({"NOAUTH", "WRONGPASS", "NOPERM"})
 _EVICTING_POLICIES = frozenset({"allkeys-lru", "allkeys-lfu", "allkeys-random"})
-
-
-def page_views(buffers: Sequence[Buffer], nbytes: int, *, writable: bool) -> list[memoryview]:
-    """``writable_view`` / ``readable_view`` of each buffer, with a shortcut for the usual flat
-    byte buffers (numpy uint8 rows, bytearrays); anything else, and every misfit, goes through
-    those functions (which raise the errors)."""
-    slow = writable_view if writable else readable_view
-    views = []
-    for buffer in buffers:
-        try:
-            view = memoryview(buffer)
-        except TypeError:  # a torch tensor
-            view = None
-        if (view is None or view.nbytes != nbytes or view.format != "B" or view.ndim != 1
-                or (writable and view.readonly) or not view.c_contiguous):
-            view = slow(buffer, nbytes)
-        views.append(view)
-    return views
 
 
 class EvictionTally:
@@ -101,6 +85,7 @@ class RedisStore(PageStore):
         self._evictions = EvictionTally()
         self._pages_per_trip = max(1, options.batch_bytes // (page_bytes + HEADER_BYTES))
         self._judge = PageJudge(page_bytes)
+        self._marker = RunMarker(self._prefix)
 
     @classmethod
     def from_url(cls, url: str, page_bytes: int, options: dict[str, object]) -> RedisStore:
@@ -134,6 +119,10 @@ class RedisStore(PageStore):
                 continue
             self._evictions.observe(endpoint.name, int(info.get("evicted_keys", 0)))
             self._warn_about_eviction_setup(endpoint.name, info)
+        try:
+            self._check_marker()  # notes the run marker (and sets it on a fresh server)
+        except EndpointDown:
+            pass  # unreachable, and allowed to be: the first probe that reaches it notes it
 
     def _open_failure(self, endpoint: Endpoint, exc: Exception) -> None:
         from redis.exceptions import AuthenticationError, ResponseError
@@ -298,6 +287,27 @@ class RedisStore(PageStore):
                     row[name] = info.get(name, 0)
             out.append(row)
         return out
+
+    def probe(self) -> Probe:
+        """Unreachable while any server's breaker is open or the marker check fails; pages
+        lost when the run marker changed (a restart empty, a flush)."""
+        down = [name for name, state in self.breaker_states().items() if state != "closed"]
+        if down:
+            return Probe(f"redis {', '.join(down)} unreachable: its pages miss and writes are "
+                         "refused until it answers (probed in the background)", "unreachable")
+        try:
+            lost = self._check_marker()
+        except EndpointDown as exc:
+            return Probe(f"unreachable ({exc}): its pages miss and writes are refused until it "
+                         "answers", "unreachable")
+        return Probe(lost=lost)
+
+    def _check_marker(self) -> bool:
+        """Whether the run marker changed since the last check (see ``marker``)."""
+        for endpoint, _ in self._router.route([self._marker.rkey]):
+            if endpoint is not None:
+                return self._marker.check(endpoint, self.options.timeout_s)
+        return False
 
     def breaker_states(self) -> dict[str, str]:
         """Each server's breaker state (closed, open, half_open), without calling any."""
