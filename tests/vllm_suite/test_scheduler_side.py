@@ -344,3 +344,26 @@ def test_counters_reach_vllms_connector_stats_log_and_prometheus(scheduler):
     labels = {"model_name": "tiny", "engine": "0"}
     assert REGISTRY.get_sample_value("vllm:kvtier_claimed_tokens_total", labels) == 96
     assert REGISTRY.get_sample_value("vllm:kvtier_hit_tokens_disk_total", labels) == 0
+
+
+def test_a_damaged_disk_store_and_an_unreachable_redis_do_not_stop_vllm(tiny_model, tmp_path):
+    # A cache is an accelerator: the connector starts with those tiers off (the damaged
+    # directory moved aside, Redis retried in the background) and vLLM schedules as usual.
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    (disk / "kvtier-store.json").write_text("{ not json")
+    config = make_vllm_config(tiny_model, {"disk_url": f"file://{disk}",
+                                           "remote_url": "redis://127.0.0.1:1/0",
+                                           "remote_timeout_s": 0.2,
+                                           "host_pool_bytes": "8MiB", "staging_pages": 64},
+                              block_size=BLOCK, max_batched=64)
+    sched = make_scheduler(config, make_kv_cache_config(BLOCK))
+    try:
+        health = sched.connector.runtime.cache.store_health()
+        assert health["remote"]["state"] == "off"
+        assert any(p.name.startswith("disk.corrupt-") for p in tmp_path.iterdir())
+        request, out = _admit(sched, _prompt(100))
+        assert out.scheduled_new_reqs[0].num_computed_tokens == 0
+        assert out.num_scheduled_tokens[request.request_id] == 64     # max_batched: computed
+    finally:
+        sched.connector.runtime.close()
