@@ -247,7 +247,8 @@ class Case:
         if self.name not in KVTIER_CASES:
             return {}
         counts = self.runtime().stats()["connector"]
-        return {k: v for k, v in counts.items() if k.startswith("hit_tokens_")}
+        return {k: v for k, v in counts.items()
+                if k.startswith("hit_tokens_") or k in ("lookup_us", "lookup_lock_wait_us")}
 
     def case_native(self, p: list[int], r: dict[str, Any], timed: bool) -> None:
         self._store_then_hits(p, r, timed)

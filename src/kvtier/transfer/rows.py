@@ -146,8 +146,9 @@ def copy_unit(row_bytes: int, byte_strides: tuple[int, ...], pointers: tuple[int
 
 
 class RowCopy:
-    """Launches ``plan`` between one layer's ``src`` and ``dst`` tensors (any dtype, same element
-    size), each seen through its ``RowGeometry`` from its first element."""
+    """Copies between one source and one destination geometry (any dtype, same element size),
+    each tensor seen from its first element. ``bind(src, dst)`` checks a tensor pair once and
+    returns a ``BoundRowCopy`` whose launches do nothing but launch."""
 
     def __init__(self, src_geometry: RowGeometry, dst_geometry: RowGeometry,
                  max_programs: int | None = None, programs_per_sm: int = 1) -> None:
@@ -157,12 +158,8 @@ class RowCopy:
         self.max_programs = max_programs
         self.programs_per_sm = programs_per_sm
 
-    def launch(self, plan: RowPlan, src: torch.Tensor, dst: torch.Tensor,
-               ids: torch.Tensor | None = None) -> None:
-        """Copy on the current stream (returns at once on CUDA). ``ids``: ``upload_pairs(plan)``
-        made before (one upload serves every layer)."""
-        if plan.num_blocks == 0:
-            return
+    def bind(self, src: torch.Tensor, dst: torch.Tensor) -> BoundRowCopy:
+        """The launch arguments for copies from ``src`` to ``dst`` (checked here, once)."""
         if src.element_size() != dst.element_size():
             raise ValueError(f"element sizes differ: {src.dtype} and {dst.dtype}")
         size = src.element_size()
@@ -181,22 +178,45 @@ class RowCopy:
                           TILE_BYTES // (cols * width)))
         rows_per_part = sg.block_size * sg.heads
         chunks = triton.cdiv(rows_per_part, rows)
-        ids = upload_pairs(plan, dst.device) if ids is None else ids
-        items = plan.num_blocks * 2 * chunks
-        grid = (self._grid(items, dst.device),)
-        copy_rows_kernel[grid](
-            _flat(src, unit), _flat(dst, unit), ids, plan.num_blocks, rows_per_part, sg.heads,
-            row_len, chunks, *(s // width for s in strides), ROWS=rows, COLS=cols,
-            num_warps=4)
+        return BoundRowCopy(
+            _flat(src, unit), _flat(dst, unit), dst.device, chunks,
+            (rows_per_part, sg.heads, row_len, chunks, *(s // width for s in strides)),
+            {"ROWS": rows, "COLS": cols, "num_warps": 4}, self._cap(dst.device))
 
-    def _grid(self, items: int, device: torch.device) -> int:
+    def launch(self, plan: RowPlan, src: torch.Tensor, dst: torch.Tensor,
+               ids: torch.Tensor | None = None) -> None:
+        """Bind and launch once (see ``BoundRowCopy.launch``)."""
+        self.bind(src, dst).launch(plan, ids)
+
+    def _cap(self, device: torch.device) -> int:
         if self.max_programs is not None:
-            cap = self.max_programs
-        elif device.type == "cuda":
-            cap = self.programs_per_sm * multiprocessor_count(device.index or 0)
-        else:
-            cap = INTERPRETER_MAX_PROGRAMS
-        return max(1, min(items, cap))
+            return self.max_programs
+        if device.type == "cuda":
+            return self.programs_per_sm * multiprocessor_count(device.index or 0)
+        return INTERPRETER_MAX_PROGRAMS
+
+
+@dataclass(frozen=True)
+class BoundRowCopy:
+    """One source and destination tensor pair with its launch arguments worked out."""
+
+    src: torch.Tensor
+    dst: torch.Tensor
+    device: torch.device
+    chunks: int
+    args: tuple[int, ...]
+    constants: dict[str, int]
+    max_programs: int
+
+    def launch(self, plan: RowPlan, ids: torch.Tensor | None = None) -> None:
+        """Copy ``plan``'s block pairs on the current stream (returns at once on CUDA).
+        ``ids``: ``upload_pairs(plan)`` made before (one upload serves every layer)."""
+        if plan.num_blocks == 0:
+            return
+        ids = upload_pairs(plan, self.device) if ids is None else ids
+        grid = (max(1, min(plan.num_blocks * 2 * self.chunks, self.max_programs)),)
+        copy_rows_kernel[grid](self.src, self.dst, ids, plan.num_blocks, *self.args,
+                               **self.constants)
 
 
 def _flat(tensor: torch.Tensor, unit: torch.dtype) -> torch.Tensor:

@@ -26,7 +26,14 @@ import numpy as np
 import torch
 
 from kvtier.integrations.vllm.layout import BlockLayout
-from kvtier.transfer.rows import RowCopy, RowGeometry, RowPlan, make_row_plan, upload_pairs
+from kvtier.transfer.rows import (
+    BoundRowCopy,
+    RowCopy,
+    RowGeometry,
+    RowPlan,
+    make_row_plan,
+    upload_pairs,
+)
 
 #: Programs per multiprocessor of the copies between kvtier's device pool and vLLM's blocks. A
 #: load's copies run on the forward's stream, each just before the layer that reads it, while the
@@ -101,6 +108,8 @@ class BlockCopier:
         self.vllm_rows = vllm_rows
         self._load = RowCopy(self.pool_rows, vllm_rows, programs_per_sm=programs_per_sm)
         self._store = RowCopy(vllm_rows, self.pool_rows, programs_per_sm=programs_per_sm)
+        #: Launch arguments per (direction, layer, vLLM tensor), worked out at first use.
+        self._bound: dict[tuple[str, int, int], BoundRowCopy] = {}
 
     @classmethod
     def for_device_pool(cls, layout: BlockLayout, pool_kv: torch.Tensor,
@@ -125,11 +134,14 @@ class BlockCopier:
              ids: torch.Tensor | None = None) -> None:
         """Launch layer ``layer`` of ``plan`` with ``kv`` as that layer's vLLM tensor, on the
         current stream (``ids``: ``ids(plan)`` uploaded before, else uploaded now)."""
-        pool = self.pool_kv[layer]
-        if plan.direction == "load":
-            self._load.launch(plan.rows, pool, kv, ids)
-        else:
-            self._store.launch(plan.rows, kv, pool, ids)
+        key = (plan.direction, layer, kv.data_ptr())
+        bound = self._bound.get(key)
+        if bound is None:
+            pool = self.pool_kv[layer]
+            bound = self._load.bind(pool, kv) if plan.direction == "load" \
+                else self._store.bind(kv, pool)
+            self._bound[key] = bound
+        bound.launch(plan.rows, ids)
 
     def load(self, layer: int, pages: np.ndarray, blocks: np.ndarray, kv: torch.Tensor) -> None:
         """Copy layer ``layer`` of kvtier sub-pages ``pages`` into vLLM ``blocks`` of ``kv``."""
