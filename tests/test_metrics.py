@@ -26,6 +26,7 @@ REQUIRED = {
     "kvtier_pinned_bytes": "gauge", "kvtier_pages": "gauge",
     "kvtier_time_to_first_token_seconds": "histogram", "kvtier_requests": "counter",
     "kvtier_requests_rejected": "counter", "kvtier_binding_generation": "gauge",
+    "kvtier_store_dropped_pages": "counter",
 }
 
 

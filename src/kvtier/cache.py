@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvtier.config import KvtierConfig, setting_name
+from kvtier.controller.close_flush import flush_to_stores, tell_flush
 from kvtier.controller.context import CacheContext
 from kvtier.controller.controller import CacheController
 from kvtier.controller.handles import Hit, Loaded
@@ -264,15 +265,22 @@ class TieredCache:
         return store_health(self.ctx)
 
     def close(self) -> None:
-        """Stop the workers (in-flight backups are cancelled) and close stores and pools."""
+        """Under ``write_back``, back up to the stores what only memory holds (at most
+        ``controller.close_flush_s``, see ``kvtier.controller.close_flush``); then stop the workers
+        (in-flight backups are cancelled) and close stores and pools."""
         if self._closed:
             return
         self._closed = True
         ctx = self.ctx
+        controller = self.controller
+        flushed = flush_to_stores(ctx, controller.writer, lambda s: controller.drain(timeout_s=s),
+                                  ctx.config.close_flush_s)
         self.controller.drain(timeout_s=1.0)
         if ctx.workers is not None:
             ctx.workers.close()
             self.controller.poll()
+        if flushed is not None:
+            tell_flush(ctx, flushed)
         for store in ctx.stores.values():
             store.close()
         if ctx.host_pool is not None:

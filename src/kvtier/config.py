@@ -144,6 +144,10 @@ class ControllerConfig:
     io_queue_depth: int = opt(1024, "Bound on queued IO jobs; past it jobs are refused.",
                               minimum=1)
     job_deadline_s: float = opt(5.0, "Deadline of one IO job.", minimum=0.001)
+    close_flush_s: float = opt(20.0, "Under write_back, how long closing the cache (a graceful "
+                               "stop) may spend backing up to the stores the pages only memory "
+                               "holds; what is left is logged as lost (0: no flush).",
+                               minimum=0.0)
     hint_share: float = opt(0.25, "Most of the device tier one tenant's cache hints "
                             "(prompt_cache_retention, cache_control) may protect; 0: hints off.",
                             minimum=0.0, maximum=1.0)

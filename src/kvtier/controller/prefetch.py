@@ -17,7 +17,9 @@ every rank decides alike). Host pages for landing come from the host pool (evict
 if needed), bounded by the prefetch share of the pool (``host.prefetch_share``); a prefetch that
 does not fit is shortened, or refused when nothing fits. Outcomes are counted as
 ``prefetch_total.<outcome>``: completed, timeout, failed (a store missed or raised),
-background (best effort, still landing), refused.
+background (best effort, still landing), refused. A page a store missed (absent, or dropped
+there for failing verification) loses the index's mark of that store, from it on, as soon as the
+miss is known: the request's own commit then backs it up again.
 
 Engine thread only; the job runs on an IO worker.
 """
@@ -144,6 +146,8 @@ class Prefetcher:
         landed = job.landed
         if done:
             outcome = "completed" if job.outcome == "completed" else "failed"
+            if job.missed_tier is not None:  # now, before this request's commit backs it up
+                self.forget_missing(task, task.lo + landed, job.missed_tier)
         elif policy == "best_effort":
             outcome, task.background = "background", True
         else:

@@ -40,6 +40,7 @@ class StoreStats:
     corrupt: int = 0
     refused: int = 0
     evicted: int = 0
+    dropped: int = 0   # pages removed because they failed verification (stored again later)
     errors: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
@@ -69,7 +70,7 @@ class Probe:
 class StoreCounters:
     """Lifetime counters of a store, safe to bump from several threads."""
 
-    NAMES = ("hits", "misses", "corrupt", "refused", "evicted", "errors",
+    NAMES = ("hits", "misses", "corrupt", "refused", "evicted", "dropped", "errors",
              "bytes_read", "bytes_written")
 
     def __init__(self) -> None:

@@ -52,7 +52,8 @@ def rkey(prefix: str, i: int) -> bytes:
 
 # ---- values are verified ------------------------------------------------------------------
 @pytest.mark.parametrize("damage", ["truncated", "flipped", "foreign", "not_a_record", "wrong_type"])
-def test_damaged_value_reads_as_a_counted_corrupt_miss(server: RedisServer, damage: str) -> None:
+def test_damaged_value_is_a_counted_corrupt_miss_once_then_stored_again(
+        server: RedisServer, damage: str) -> None:
     prefix = f"damage-{damage}:"
     with open_redis(server.url(), prefix=prefix) as store, server.client() as raw:
         store.write([key_for(1), key_for(2)], [page_bytes_for(1, PAGE), page_bytes_for(2, PAGE)])
@@ -71,7 +72,12 @@ def test_damaged_value_reads_as_a_counted_corrupt_miss(server: RedisServer, dama
         before = store.stats()
         assert read(store, [1, 2]) == [None, page_bytes_for(2, PAGE)]
         after = store.stats()
+        # the damaged value is gone: no longer promised, and the next write stores a good copy
+        assert store.contains([key_for(1), key_for(2)]) == [False, True]
+        assert store.write([key_for(1)], [page_bytes_for(1, PAGE)]) == [True]
+        assert read(store, [1, 2]) == [page_bytes_for(1, PAGE), page_bytes_for(2, PAGE)]
     assert (after.corrupt - before.corrupt, after.misses - before.misses) == (1, 1)
+    assert after.dropped - before.dropped == 1
 
 
 def test_values_carry_the_record_header_and_keys_the_prefix(server: RedisServer) -> None:

@@ -6,7 +6,9 @@ records) and verifies every one, appends writes to this process's own segment, a
 them through the shared journal (``journal``) only once their bytes are complete. Several
 processes may open one directory at once: each appends to its own segments, and every process
 sees the others' pages as soon as it next touches the store (one ``fstat`` of the journal per
-call). Eviction lives in ``evict`` (acting through a ``site.SegmentSite`` over this handle);
+call). A record that fails verification is dropped from every index (``damage``), so the
+next write stores a good copy. Eviction lives in ``evict`` (acting through a
+``site.SegmentSite`` over this handle);
 record IO in ``record_io``; the layout in ``segment``. No background threads: the IO worker
 threads that call the store do all the work, so nothing can die silently.
 
@@ -47,6 +49,7 @@ from kvtier.store.base import (
     readable_view,
     writable_view,
 )
+from kvtier.store.file.damage import DamagedPages
 from kvtier.store.file.evict import Evictor
 from kvtier.store.file.health import manifest_identity, probe_file_store
 from kvtier.store.file.index import SLOT_BITS, PageIndex
@@ -104,6 +107,7 @@ class FileStore(PageStore):
                                     new_id=self.new_segment_id,
                                     direct=self.options.direct)
         self.evictor = Evictor(SegmentSite(self))
+        self.damage = DamagedPages(self)
         try:
             self.open_seconds = self._load()
             self.evictor.clean_leftovers()
@@ -223,6 +227,8 @@ class FileStore(PageStore):
                 self.index.hot.update(keys if hits == len(keys) else compress(keys, found))
         self.counters.add(hits=hits, misses=len(keys) - hits, corrupt=corrupt, errors=errors,
                           bytes_read=hits * self.page_bytes)
+        if hits < len(keys) and hits + errors < len(keys) - locs.count(None):
+            self.damage.drop(keys, locs, found, errors)  # torn, corrupt or gone: never again
         return found
 
     def _pin(self, keys: Sequence[bytes]) -> tuple[list[int | None], dict[int, int | None]]:

@@ -8,6 +8,9 @@ payloads travel between the socket and the caller's buffers without intermediate
 TLS, AUTH/ACL users and Redis Cluster slot maps come from redis-py (``nodes``; imported
 lazily, so ``import kvtier.store`` never needs it).
 
+A value that fails verification is deleted after the read that rejected it, so ``contains``
+stops promising it and the next write stores a good copy.
+
 Outages are values: with Redis down, stalled or restarting, every call returns within
 ``timeout_s`` as misses or refused writes (counted in ``errors``), a circuit breaker per server
 makes calls to a dead server cost ~nothing, and pools reconnect by themselves once it is back.
@@ -213,7 +216,18 @@ class RedisStore(PageStore):
         hits = sum(verdicts.found)
         self._counters.add(hits=hits, misses=len(keys) - hits, corrupt=verdicts.corrupt,
                            errors=verdicts.errors, bytes_read=hits * self.page_bytes)
+        if verdicts.bad:
+            self._drop_damaged([keys[i] for i in verdicts.bad])
         return verdicts.found
+
+    def _drop_damaged(self, keys: list[bytes]) -> None:
+        """Delete values that failed verification, so that ``contains`` stops promising them
+        and the next write stores a good copy (a good copy another writer stored since the read
+        goes too: one more miss, never a wrong page)."""
+        dropped = self.delete(keys)
+        self._counters.add(dropped=dropped)
+        log.warning("redis store %s: deleted %d of %d values that failed verification; the next "
+                    "write stores them again", self.url, dropped, len(keys))
 
     def write(self, keys: Sequence[bytes], buffers: Sequence[Buffer]) -> list[bool]:
         self._check_batch(keys, buffers)

@@ -29,15 +29,20 @@ _LEAD_BYTES = HEADER_BYTES - _CRC_BYTES - KEY_BYTES - _CHECKSUM_BYTES  # magic .
 
 
 class Verdicts:
-    """What a batch of replies came to: hits per page and the counts of the rest."""
+    """What a batch of replies came to: hits per page, the pages whose values failed
+    verification (``bad``) and the counts of the rest."""
 
-    __slots__ = ("found", "corrupt", "errors", "moved")
+    __slots__ = ("found", "bad", "errors", "moved")
 
     def __init__(self, count: int) -> None:
         self.found = [False] * count
-        self.corrupt = 0
+        self.bad: list[int] = []  # pages whose stored value is damaged, foreign or of a wrong type
         self.errors = 0
         self.moved = False  # a MOVED / ASK reply: the cluster's slot map changed
+
+    @property
+    def corrupt(self) -> int:
+        return len(self.bad)
 
 
 class PageJudge:
@@ -80,14 +85,14 @@ class PageJudge:
                 if reply == header:
                     found[i] = True
                 else:
-                    out.corrupt += 1
+                    out.bad.append(i)
             elif reply is None:
                 continue
             elif isinstance(reply, ServerError):
                 out.moved |= reply.kind in MOVED_KINDS
                 if reply.kind == "WRONGTYPE":
-                    out.corrupt += 1
+                    out.bad.append(i)
                 else:
                     out.errors += 1
             else:  # the length of a value of another size
-                out.corrupt += 1
+                out.bad.append(i)
