@@ -67,9 +67,12 @@ class Job:
 
     priority = STORE
     kind = "job"
+    #: The deadline runs from when a worker starts the job, not from when it was queued.
+    deadline_from_start = False
 
     def __init__(self, deadline_s: float, batch_pages: int = 16) -> None:
         self.id = next(_ids)
+        self.deadline_s = deadline_s
         self.deadline = time.monotonic() + deadline_s
         self.batch_pages = max(1, batch_pages)
         self.outcome: str | None = None
@@ -105,6 +108,8 @@ class Job:
     def execute(self, host: HostPages) -> None:
         """Worker entry: run, record the outcome, signal done. Never raises."""
         self.started = time.monotonic()
+        if self.deadline_from_start:
+            self.deadline = self.started + self.deadline_s
         try:
             self.outcome = self.should_stop() or self.run(host)
         except Exception as exc:  # a store outage or bug: a counted failure, never a dead worker
@@ -173,11 +178,13 @@ class BackupJob(Job):
     what the same batch wrote past it, so the store never holds a page without its parent).
 
     Pages the store already holds (another process wrote them, or an earlier run) are not
-    written again. ``written`` is the count of leading pages now in the store.
+    written again. ``written`` is the count of leading pages now in the store. Its deadline
+    runs from its start: a backup queued behind others (a burst) is late, not stale.
     """
 
     priority = STORE
     kind = "backup"
+    deadline_from_start = True
 
     def __init__(self, tier: str, store: PageStore, keys: Sequence[bytes],
                  host_ids: Sequence[int], deadline_s: float, batch_pages: int = 16) -> None:

@@ -5,8 +5,9 @@ and backup stores; one shared bound, ``controller.io_queue_depth``); a full queu
 job (counted) instead of blocking the engine. Each worker takes the oldest load if any, else the
 oldest store, runs it (``Job.execute`` never raises), and posts it to the completion queue that
 the engine thread drains with ``completed()``. A job whose deadline passed while queued ends as
-``expired`` without touching a store. ``close`` stops the threads; a thread stuck inside a store
-call past the join timeout is left behind as a daemon and counted.
+``expired`` without touching a store (a backup's deadline runs from its start instead).
+``close`` stops the threads; a thread stuck inside a store call past the join timeout is left
+behind as a daemon and counted.
 
 Threads: ``submit``/``completed``/``stats``/``close`` on the engine thread; ``_loop`` on each
 worker thread. One condition variable guards the queues.
