@@ -40,6 +40,18 @@ def test_a_backup_that_outlives_its_deadline_is_finished_by_the_next_job(tmp_pat
     assert on_disk(tmp_path, tokens) == 48
 
 
+def test_a_backup_queued_behind_another_is_not_expired_by_its_wait(tmp_path: Path) -> None:
+    store = LatencyStore(FileStore(tmp_path, LAYOUT.page_bytes), write_s=0.3)
+    prompts = [prompt(16, seed=20 + i) for i in range(2)]   # one batch each: 0.3 s
+    with make_cache(device_pages=64, host_pages=128, stores={"disk": store}, io_workers=1,
+                    job_deadline_s=0.2) as cache:
+        for tokens in prompts:
+            serve(cache, tokens)
+        assert cache.drain(10.0)
+        assert counters(cache)["backup_total"] == {"disk": {"completed": 2}}
+    assert [on_disk(tmp_path, tokens) for tokens in prompts] == [16, 16]
+
+
 def test_a_full_io_queue_holds_backups_back_instead_of_dropping_them(tmp_path: Path) -> None:
     store = LatencyStore(FileStore(tmp_path, LAYOUT.page_bytes), write_s=0.05)
     prompts = [prompt(8, seed=10 + i) for i in range(5)]
