@@ -122,7 +122,7 @@ def main() -> None:
             rows[0]["note"] += f", {whole}/{n} pages on disk"
             locs = [store.index.where[k] for k in keys]
 
-            def raw(lo: int, hi: int, store: FileStore = store) -> None:
+            def raw(lo: int, hi: int, store: FileStore = store, locs: list[int] = locs) -> None:
                 for i in range(lo, hi):
                     seg, slot = locs[i] >> SLOT_BITS, locs[i] & SLOT_MASK
                     fd = store.readers.pin(seg)
