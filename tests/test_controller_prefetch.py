@@ -32,7 +32,7 @@ def test_timeout_budget_grows_with_tokens_and_is_capped() -> None:
 
 def test_prefetch_timeout_serves_exactly_the_landed_prefix_and_leaves_index_consistent() -> None:
     tokens = prompt(8, seed=1)
-    slow = LatencyStore(seeded_disk(tokens), per_page_s=0.1)  # 2-page batches: 0.2 s each
+    slow = LatencyStore(seeded_disk(tokens), per_page_s=0.2)  # 2-page batches, 2 workers: 0.4 s
     with make_cache(stores={"disk": slow}, prefetch_policy="timeout",
                     prefetch_timeout_base_s=0.5, prefetch_timeout_per_1k_tokens_s=0.0) as cache:
         hit = cache.match(tokens)

@@ -198,7 +198,9 @@ class CacheController:
                                job.finished_at - job.started)
 
     def drain(self, timeout_s: float | None = None) -> bool:
-        """Wait until no copy or IO job is in flight (reaping them); False on timeout."""
+        """Wait until no copy or IO job is in flight (reaping them) and every backup the cache
+        took on ended: written whole, or refused, abandoned, lost or dropped (each counted and
+        logged, see ``Backups``); False on timeout."""
         deadline = time.monotonic() + (self.ctx.config.job_deadline_s if timeout_s is None
                                        else timeout_s)
         self.writer.drain()
@@ -206,8 +208,8 @@ class CacheController:
             self.poll()
             workers = self.ctx.workers
             busy = workers is not None and (not workers.idle() or self.prefetcher.busy()
-                                            or self.backups.busy())
-            if not busy and not self.backups.deferred:
+                                            or not self.backups.idle())
+            if not busy:
                 return True
             if time.monotonic() > deadline:
                 return False

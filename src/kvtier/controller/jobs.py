@@ -67,9 +67,12 @@ class Job:
 
     priority = STORE
     kind = "job"
+    #: The deadline runs from when a worker starts the job, not from when it was queued.
+    deadline_from_start = False
 
     def __init__(self, deadline_s: float, batch_pages: int = 16) -> None:
         self.id = next(_ids)
+        self.deadline_s = deadline_s
         self.deadline = time.monotonic() + deadline_s
         self.batch_pages = max(1, batch_pages)
         self.outcome: str | None = None
@@ -102,9 +105,17 @@ class Job:
     def wait(self, timeout: float | None) -> bool:
         return self._done.wait(timeout)
 
-    def execute(self, host: HostPages) -> None:
-        """Worker entry: run, record the outcome, signal done. Never raises."""
+    def join(self) -> tuple[bool, bool]:
+        """A worker found this job at the head of its queue: (run it, leave it queued for
+        another worker to join too). One worker runs a plain job."""
+        return True, False
+
+    def execute(self, host: HostPages) -> bool:
+        """Worker entry: run, record the outcome, signal done; True: the job ended (the worker
+        posts it). Never raises."""
         self.started = time.monotonic()
+        if self.deadline_from_start:
+            self.deadline = self.started + self.deadline_s
         try:
             self.outcome = self.should_stop() or self.run(host)
         except Exception as exc:  # a store outage or bug: a counted failure, never a dead worker
@@ -112,6 +123,7 @@ class Job:
         finally:
             self.finished_at = time.monotonic()
             self._done.set()
+        return True
 
     def run(self, host: HostPages) -> str:
         raise NotImplementedError
@@ -129,43 +141,118 @@ class Segment:
 class PrefetchJob(Job):
     """Read pages from stores (segment by segment, in prefix order) into reserved host pages.
 
-    ``landed`` grows after each batch; the first page that misses ends the job (the served
-    prefix stops there), and ``missed_tier`` names the store that missed it.
+    The pages are cut into batches of ``batch_pages``; up to ``max_workers`` IO workers run the
+    job together, each claiming the next batch in prefix order (one thread reads from the page
+    cache at a few GB/s, the checksums included; a burst needs several). ``landed`` grows as
+    the leading batches complete; the first page that misses ends the job (no batch past it is
+    claimed, the served prefix stops there), and ``missed_tier`` names the store that missed.
+    The job ends (``is_done``) once every worker that took part let go of its pages.
     """
 
     priority = LOAD
     kind = "prefetch"
 
     def __init__(self, segments: Sequence[Segment], host_ids: Sequence[int], deadline_s: float,
-                 batch_pages: int = 16) -> None:
+                 batch_pages: int = 16, max_workers: int = 1) -> None:
         super().__init__(deadline_s, batch_pages)
         self.segments = tuple(segments)
         self.host_ids = list(host_ids)
         self.pages = sum(len(s.keys) for s in self.segments)
         if self.pages != len(self.host_ids):
             raise ValueError(f"{self.pages} pages to read into {len(self.host_ids)} host pages")
+        self.max_workers = max(1, max_workers)
         self.landed = 0
         self.missed_tier: str | None = None
-
-    def run(self, host: HostPages) -> str:
+        # batches: (segment, first key in it, keys, first page of the job)
+        self._batches: list[tuple[Segment, int, int, int]] = []
         pos = 0
         for segment in self.segments:
             for lo in range(0, len(segment.keys), self.batch_pages):
-                stop = self.should_stop()
-                if stop:
-                    return stop if self.landed == 0 else "partial"
-                keys = segment.keys[lo:lo + self.batch_pages]
-                ids = self.host_ids[pos + lo:pos + lo + len(keys)]
-                buffers = host.buffers(ids)
-                found = segment.store.read_into(keys, buffers)
-                ok = _leading_true(found)
-                host.fill_from(ids[:ok], buffers[:ok])
-                self.landed = pos + lo + ok
-                if ok < len(keys):
-                    self.missed_tier = segment.tier
-                    return "failed"
+                n = min(self.batch_pages, len(segment.keys) - lo)
+                self._batches.append((segment, lo, n, pos + lo))
             pos += len(segment.keys)
-        return "completed"
+        self._got: list[int | None] = [None] * len(self._batches)  # pages landed per batch
+        self._lock = threading.Lock()
+        self._next = self._front = self._workers = self._joined = 0
+        self._miss_at = len(self._batches)  # the first batch that came back short
+        self._stop: str | None = None      # "missed", "error", or why a worker stopped
+        self._ended = False
+
+    def join(self) -> tuple[bool, bool]:
+        with self._lock:
+            if self._ended or self._stop or self._next >= len(self._batches):
+                return False, False
+            self._workers += 1
+            self._joined += 1
+            return True, self._workers < self.max_workers and self._next < len(self._batches)
+
+    def execute(self, host: HostPages) -> bool:
+        with self._lock:
+            if self._joined:
+                self._joined -= 1
+            else:  # called without ``join`` (directly, one worker)
+                self._workers += 1
+            if not self.started:
+                self.started = time.monotonic()
+        while (claim := self._claim()) is not None:
+            segment, lo, n, first = self._batches[claim]
+            try:
+                keys = segment.keys[lo:lo + n]
+                ids = self.host_ids[first:first + n]
+                buffers = host.buffers(ids)
+                ok = _leading_true(segment.store.read_into(keys, buffers))
+                host.fill_from(ids[:ok], buffers[:ok])
+            except Exception as exc:  # a store outage or bug: a counted failure
+                ok = 0
+                with self._lock:
+                    self.error = self.error or f"{type(exc).__name__}: {exc}"
+                    self._stop = "error"
+            self._landed(claim, ok, n, segment.tier)
+        with self._lock:
+            self._workers -= 1
+            if self._workers or self._ended:
+                return False
+            self._ended = True
+            self.outcome = self._outcome()
+            self.finished_at = time.monotonic()
+        self._done.set()
+        return True
+
+    def _claim(self) -> int | None:
+        with self._lock:
+            if not self._stop:
+                self._stop = self.should_stop()
+            if self._stop or self._next >= len(self._batches):
+                return None
+            self._next += 1
+            return self._next - 1
+
+    def _landed(self, batch: int, ok: int, n: int, tier: str) -> None:
+        with self._lock:
+            self._got[batch] = ok
+            if ok < n and self._stop != "error":
+                self._stop = "missed"
+                if batch < self._miss_at:
+                    self._miss_at, self.missed_tier = batch, tier
+            while self._front < len(self._got) and self._got[self._front] is not None:
+                got, (_, _, size, first) = self._got[self._front], self._batches[self._front]
+                self.landed = first + (got or 0)
+                if got != size:
+                    break
+                self._front += 1
+
+    def _outcome(self) -> str:
+        if self.landed == self.pages:
+            return "completed"
+        if self._stop == "error":
+            return "error"
+        if self._stop == "missed":
+            return "failed"
+        stop = self._stop or "cancelled"
+        return stop if self.landed == 0 else "partial"
+
+    def run(self, host: HostPages) -> str:
+        raise NotImplementedError("a prefetch runs through execute")
 
 
 class BackupJob(Job):
@@ -173,11 +260,13 @@ class BackupJob(Job):
     what the same batch wrote past it, so the store never holds a page without its parent).
 
     Pages the store already holds (another process wrote them, or an earlier run) are not
-    written again. ``written`` is the count of leading pages now in the store.
+    written again. ``written`` is the count of leading pages now in the store. Its deadline
+    runs from its start: a backup queued behind others (a burst) is late, not stale.
     """
 
     priority = STORE
     kind = "backup"
+    deadline_from_start = True
 
     def __init__(self, tier: str, store: PageStore, keys: Sequence[bytes],
                  host_ids: Sequence[int], deadline_s: float, batch_pages: int = 16) -> None:

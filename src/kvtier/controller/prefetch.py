@@ -21,7 +21,8 @@ background (best effort, still landing), refused. A page a store missed (absent,
 there for failing verification) loses the index's mark of that store, from it on, as soon as the
 miss is known: the request's own commit then backs it up again.
 
-Engine thread only; the job runs on an IO worker.
+Engine thread only; the job runs on the IO workers (all of them at once for a long one: one
+thread reads from the page cache at a few GB/s, see ``jobs.PrefetchJob``).
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ class Prefetcher:
             raise ValueError(f"prefetch of pages [{lo}, {hi}) has no store for every page")
         # progress is published per batch: at least four times per job, at most 16 pages apart
         batch = max(1, min(16, len(host_ids) // 4))
-        job = PrefetchJob(segments, host_ids, ctx.config.job_deadline_s, batch_pages=batch)
+        job = PrefetchJob(segments, host_ids, ctx.config.job_deadline_s, batch_pages=batch,
+                          max_workers=ctx.config.io_workers)
         assert ctx.workers is not None, "prefetch without IO workers"
         if not ctx.workers.submit(job):
             ctx.index.free("host", host_ids)

@@ -4,9 +4,12 @@ Owns ``IOWorkers``. The engine thread ``submit``s jobs into two bounded queues (
 and backup stores; one shared bound, ``controller.io_queue_depth``); a full queue refuses the
 job (counted) instead of blocking the engine. Each worker takes the oldest load if any, else the
 oldest store, runs it (``Job.execute`` never raises), and posts it to the completion queue that
-the engine thread drains with ``completed()``. A job whose deadline passed while queued ends as
-``expired`` without touching a store. ``close`` stops the threads; a thread stuck inside a store
-call past the join timeout is left behind as a daemon and counted.
+the engine thread drains with ``completed()``. A prefetch stays at the head of its queue while
+it has batches left and takes fewer workers than it may (``Job.join``): the next free workers
+join it, and the last one out posts it. A job whose deadline passed while queued ends as
+``expired`` without touching a store (a backup's deadline runs from its start instead).
+``close`` stops the threads; a thread stuck inside a store call past the join timeout is left
+behind as a daemon and counted.
 
 Threads: ``submit``/``completed``/``stats``/``close`` on the engine thread; ``_loop`` on each
 worker thread. One condition variable guards the queues.
@@ -76,26 +79,36 @@ class IOWorkers:
 
     def _next(self) -> Job | None:
         with self._cond:
-            while not self._closing and not self.queued():
-                self._cond.wait()
-            if self._closing and not self.queued():
-                return None
-            queue = self._queues[0] if self._queues[0] else self._queues[1]
-            self._running += 1
-            return queue.popleft()
+            while True:
+                while not self._closing and not self.queued():
+                    self._cond.wait()
+                if self._closing and not self.queued():
+                    return None
+                queue = self._queues[0] if self._queues[0] else self._queues[1]
+                job = queue[0]
+                take, stay = job.join()  # a prefetch stays queued for more workers to join
+                if not stay:
+                    queue.popleft()
+                if take:
+                    self._running += 1
+                    if stay:
+                        self._cond.notify()
+                    return job
 
     def _loop(self) -> None:
         while True:
             job = self._next()
             if job is None:
                 return
+            ended = False
             try:
-                job.execute(self._host)
+                ended = job.execute(self._host)
             finally:
                 with self._cond:
                     self._running -= 1
-                    self._counts["completed"] += 1
-                self._done.append(job)
+                    self._counts["completed"] += ended
+                if ended:  # the last of the workers that ran it posts it
+                    self._done.append(job)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Cancel queued and running jobs, stop the threads (queued jobs end as cancelled)."""
