@@ -224,8 +224,8 @@ def _flat(tensor: torch.Tensor, unit: torch.dtype) -> torch.Tensor:
     geometry's strides say where rows are; nothing is copied)."""
     storage = tensor.untyped_storage()
     start = tensor.storage_offset() * tensor.element_size()
-    flat = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(
-        storage, start, (storage.nbytes() - start,))
+    flat: torch.Tensor = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(
+        storage, start, (storage.nbytes() - start,), (1,))
     width = torch.empty(0, dtype=unit).element_size()
     usable = flat.numel() // width * width
     return flat[:usable].view(unit)
