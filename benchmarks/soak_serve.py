@@ -4,7 +4,9 @@ Starts the server as ``make run`` does (tiny-llama on the CPU, disk tier on, a f
 port), then, for ``--duration-s``, ``--clients`` threads each loop over four kinds of request:
 a completion of a prompt that shares a prefix with others (hits), a stream read to its end, a
 stream closed after its first chunks (a mid-stream disconnect), and a request whose body stops
-half way before the socket closes (a disconnect before the body). Every ``--sample-s`` it reads
+half way before the socket closes (a disconnect before the body). Prompts share a prefix and
+end in a random tail, or (``--distinct N``) in one of N fixed tails, so that the cache's
+contents stop growing and what memory does is the server's own. Every ``--sample-s`` it reads
 the server's resident memory (``VmRSS``) and open descriptors (``/proc/PID/fd``). At the end it
 fits a line through the samples after the warm-up (``--warmup``, a share of the run) and reports
 the slopes (MiB and descriptors per minute), the requests by outcome, the server's 5xx answers
@@ -69,8 +71,11 @@ def slope(points: list[tuple[float, float]]) -> float:
 class Clients:
     """The request loop of every client thread, with counts by outcome."""
 
-    def __init__(self, url: str, port: int, deadline: float, seed: int) -> None:
+    def __init__(self, url: str, port: int, deadline: float, seed: int, distinct: int = 0) -> None:
         self.url, self.port, self.deadline = url, port, deadline
+        fixed = random.Random(seed)
+        self.tails = [" ".join(f"t{fixed.randrange(1000)}" for _ in range(fixed.randrange(4, 40)))
+                      for _ in range(distinct)]
         self.counts: Counter[str] = Counter()
         self.lock = threading.Lock()
         self.seed = seed
@@ -90,7 +95,10 @@ class Clients:
                     self.count(f"{kind}:client_error:{type(exc).__name__}")
 
     def body(self, rng: random.Random, stream: bool) -> dict[str, Any]:
-        tail = " ".join(f"t{rng.randrange(1000)}" for _ in range(rng.randrange(4, 40)))
+        if self.tails:                  # a fixed set of prompts: the cache stops growing
+            tail = rng.choice(self.tails)
+        else:
+            tail = " ".join(f"t{rng.randrange(1000)}" for _ in range(rng.randrange(4, 40)))
         return {"model": "tiny-llama", "prompt": f"{PREFIX} {tail}", "temperature": 0,
                 "max_tokens": rng.randrange(4, 24), "stream": stream}
 
@@ -145,7 +153,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise RuntimeError(f"the server did not start (log: {log_path})")
         time.sleep(0.5)
     t0 = time.monotonic()
-    clients = Clients(url, port, t0 + args.duration_s, args.seed)
+    clients = Clients(url, port, t0 + args.duration_s, args.seed, args.distinct)
     threads = [threading.Thread(target=clients.run, args=(i,), daemon=True)
                for i in range(args.clients)]
     for thread in threads:
@@ -166,7 +174,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     steady = [s for s in samples if s[0] >= args.warmup * args.duration_s]
     server_5xx = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                      if line.startswith("kvtier_http_server_errors_total{"))
-    return {"duration_s": args.duration_s, "clients": args.clients,
+    return {"duration_s": args.duration_s, "clients": args.clients, "distinct": args.distinct,
             "requests": dict(sorted(clients.counts.items())),
             "rss_mib_first_last": [samples[0][1], samples[-1][1]],
             "rss_mib_steady_min_max": [min(s[1] for s in steady), max(s[1] for s in steady)],
@@ -184,6 +192,8 @@ def main() -> None:
     parser.add_argument("--sample-s", type=float, default=15.0)
     parser.add_argument("--warmup", type=float, default=0.2, help="share of the run left out")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--distinct", type=int, default=0,
+                        help="draw prompts from this many fixed ones (0: every prompt new)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     result = run(args)
