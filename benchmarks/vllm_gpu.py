@@ -48,12 +48,13 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-CASES = ("recompute", "alone", "native", "kvtier", "kvtier_ce", "kvtier_ce128", "disk_store",
-         "disk_hit")
-KVTIER_CASES = ("kvtier", "kvtier_ce", "kvtier_ce128", "disk_store", "disk_hit")
-#: kvtier variants: connector options beside the defaults (``kvtier``).
+#: kvtier variants: connector options beside the defaults (``kvtier``), each a host-hit case.
 VARIANTS = {"kvtier_ce": {"copy_path": "copy_engine"},
-            "kvtier_ce128": {"copy_path": "copy_engine", "page_size": 128}}
+            "kvtier_ce128": {"copy_path": "copy_engine", "page_size": 128},
+            "kvtier_lp0": {"load_programs": 0},
+            "kvtier_lp16": {"load_programs": 16}}
+CASES = ("recompute", "alone", "native", "kvtier", *VARIANTS, "disk_store", "disk_hit")
+KVTIER_CASES = ("kvtier", *VARIANTS, "disk_store", "disk_hit")
 TOKEN_LOW, TOKEN_HIGH = 5, 1000            # ordinary tokens of kvtier's tiny tokenizer
 GEN_TOKENS = 16
 THROUGHPUT_PROMPT, THROUGHPUT_NEW = 4980, 128
@@ -236,6 +237,28 @@ class Case:
         r["ttft_s"], r["cached"] = [t for t, _, _ in hits], [c for _, _, c in hits]
         if self.name in KVTIER_CASES:
             r["hit_tokens_by_tier"] = by_tier
+        if timed and self.args.profile:
+            self.drop_gpu_copies(tiers)
+            r["profile"] = self.profiled(p)
+
+    def profiled(self, p: list[int]) -> dict[str, Any]:
+        """One more hit under torch.profiler: its wall time and the operations that took the
+        most CUDA and CPU time (where a hit's milliseconds go)."""
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        gpu = torch.cuda.is_available()
+        acts = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if gpu else [])]
+        with profile(activities=acts) as prof:
+            t, _, cached = self.gen(p, 1)
+        table = prof.key_averages()
+        def top(key: str) -> list[dict[str, Any]]:
+            rows = sorted(table, key=lambda e: getattr(e, key), reverse=True)[:14]
+            return [{"name": e.key[:90], "calls": e.count,
+                     "self_cuda_ms": round(e.self_device_time_total / 1e3, 3),
+                     "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 3)} for e in rows]
+        return {"ttft_ms": round(t * 1e3, 2), "cached": cached,
+                "by_cuda": top("self_device_time_total"), "by_cpu": top("self_cpu_time_total")}
 
     def held(self, p: list[int]) -> int:
         rt = self.runtime()
@@ -258,7 +281,10 @@ class Case:
             self.unseen(len(p), r)
         self._store_then_hits(p, r, timed)
 
-    case_kvtier_ce = case_kvtier_ce128 = case_kvtier
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("case_kvtier_"):                     # the variants
+            return self.case_kvtier
+        raise AttributeError(name)
 
     def case_disk_store(self, p: list[int], r: dict[str, Any], timed: bool) -> None:
         _, _, cached = self.gen(p, 1)
@@ -378,8 +404,7 @@ def summarize(args: argparse.Namespace, results: list[dict[str, Any]]) -> dict[s
 
             want = cell("recompute", "tokens16")
             agree = {c: (cell(c, "tokens16") == want if want and cell(c, "tokens16") else None)
-                     for c in ("alone", "native", "kvtier", "kvtier_ce", "kvtier_ce128",
-                               "disk_hit")}
+                     for c in ("alone", "native", "kvtier", *VARIANTS, "disk_hit")}
             line = {"recompute_ms": cell("recompute"), "gpu_hit_ms": cell("alone"),
                     "native_hit_ms": cell("native"), "kvtier_host_hit_ms": cell("kvtier"),
                     "kvtier_disk_first_ms": cell("disk_hit", "first_ttft_ms"),
@@ -418,6 +443,14 @@ def summarize(args: argparse.Namespace, results: list[dict[str, Any]]) -> dict[s
         for length, variant, ms, over in variants:
             print(f"{length} tokens: {variant} ({VARIANTS[variant]}) host hit {ms} ms, "
                   f"{over}x native")
+        for (case, run_mode), res in sorted(by.items()):
+            for length, r in res.get("lengths", {}).items():
+                prof = r.get("profile") if run_mode == mode else None
+                if prof:
+                    print(f"{case} {length} tokens, one profiled hit ({prof['ttft_ms']} ms), "
+                          "most CUDA time: " + "; ".join(
+                              f"{e['name'][:48]} x{e['calls']} {e['self_cuda_ms']} ms"
+                              for e in prof["by_cuda"][:6]))
         if thr.get("kvtier_over_alone") is not None:
             print(f"throughput, {args.batch} prompts x {THROUGHPUT_PROMPT} tokens, "
                   f"{THROUGHPUT_NEW} new: alone {thr['alone']['gen_tok_s']} gen tok/s, kvtier "
@@ -483,6 +516,8 @@ def main() -> None:
     p.add_argument("--gpu-mem", type=float, default=0.6)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--batch", type=int, default=16, help="throughput prompts (0: none)")
+    p.add_argument("--profile", type=int, default=0,
+                   help="1: one more hit per host-hit case under torch.profiler (top operations)")
     p.add_argument("--unseen", type=int, default=1, help="time unseen prompts (the miss path)")
     p.add_argument("--offload-gib", type=float, default=12.0,
                    help="vLLM's native CPU offloading size, and kvtier's host tier")

@@ -102,6 +102,11 @@ class HostConfig:
                               "and write-back copies); 0: one program per SM. A store runs "
                               "beside the forward, which wants every SM; on the H200 16 "
                               "programs store at the bus rate as one per SM does.", minimum=0)
+    load_programs: int = opt(16, "Grid cap of the host->device copy kernels that load a hit "
+                             "layer by layer beside the forward; 0: one program per SM. The "
+                             "forward that overlaps the load wants the SMs; a hit that leaves "
+                             "almost nothing to compute (a whole prompt served from the host "
+                             "tier) is bus-bound and loads fastest on every SM.", minimum=0)
     copy_staging_bytes: int = opt(64 << 20, "Device staging per direction for the copy_engine "
                                   "path (at least one page).", minimum=1 << 20, size=True)
     prefetch_share: float = opt(0.5, "Share of the host pool reserved for prefetch landing; the "

@@ -37,6 +37,7 @@ CONFIG_KEYS: dict[str, str] = {
     "prefetch_timeout_max_s": "controller.prefetch_timeout_max_s",
     "io_workers": "controller.io_workers",
     "copy_path": "host.copy_path",
+    "load_programs": "host.load_programs",
 }
 
 #: Staging pages (kvtier's own page pool between vLLM's blocks and the host tier) when unset.
