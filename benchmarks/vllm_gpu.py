@@ -208,6 +208,8 @@ class Case:
         runs = [self.gen(prompt(length, seed=1000 + i), 1) for i in range(self.args.repeats)]
         r["unseen_ttft_ms"] = round(statistics.median(t for t, _, _ in runs) * 1e3, 2)
         r["unseen_cached"] = [c for _, _, c in runs]
+        if self.args.profile:
+            r["profile_unseen"] = self.profiled(prompt(length, seed=2000))
 
     def case_alone(self, p: list[int], r: dict[str, Any], timed: bool) -> None:
         self.gen(p, 1)
@@ -445,12 +447,14 @@ def summarize(args: argparse.Namespace, results: list[dict[str, Any]]) -> dict[s
                   f"{over}x native")
         for (case, run_mode), res in sorted(by.items()):
             for length, r in res.get("lengths", {}).items():
-                prof = r.get("profile") if run_mode == mode else None
-                if prof:
-                    print(f"{case} {length} tokens, one profiled hit ({prof['ttft_ms']} ms), "
-                          "most CUDA time: " + "; ".join(
-                              f"{e['name'][:48]} x{e['calls']} {e['self_cuda_ms']} ms"
-                              for e in prof["by_cuda"][:6]))
+                for what in ("profile", "profile_unseen"):
+                    prof = r.get(what) if run_mode == mode else None
+                    if prof:
+                        print(f"{case} {length} tokens, one profiled "
+                              f"{'hit' if what == 'profile' else 'miss'} ({prof['ttft_ms']} ms)"
+                              ", most CUDA time: " + "; ".join(
+                                  f"{e['name'][:48]} x{e['calls']} {e['self_cuda_ms']} ms"
+                                  for e in prof["by_cuda"][:6]))
         if thr.get("kvtier_over_alone") is not None:
             print(f"throughput, {args.batch} prompts x {THROUGHPUT_PROMPT} tokens, "
                   f"{THROUGHPUT_NEW} new: alone {thr['alone']['gen_tok_s']} gen tok/s, kvtier "

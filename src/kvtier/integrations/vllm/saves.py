@@ -108,6 +108,9 @@ class SaveCopier:
         block = rt.shape.block_size
         table = torch.tensor(spec.block_ids, dtype=torch.long)
         slots = table[tokens // block] * block + tokens % block
+        device = rt.cache.device_pool.kv.device
+        if device.type == "cuda":       # uploaded once, not at every layer (a host wait each)
+            rows, slots = rows.to(device, non_blocking=True), slots.to(device, non_blocking=True)
         save = PromptSave(spec, rows, slots, held + fresh, fresh, handles=handles)
         if page % block == 0:           # whole blocks into sub-pages (``block_view``)
             per_page = page // block
