@@ -3,7 +3,8 @@
 The package: ``store`` (``FileStore``, the page-store contract), ``segment`` (record layout and
 manifest), ``record_io`` (record reads and writes), ``index`` and ``journal`` (the shared index),
 ``segment_files`` (open segment descriptors), ``evict`` (capacity and crash leftovers),
-``options`` (URL options and the ``file://`` URL's path) and ``tools`` (maintenance views).
+``options`` (URL options and the ``file://`` URL's path), ``handle`` (the protocol the store's
+helpers see it through) and ``tools`` (maintenance views).
 Importing the package gives ``FileStore``.
 """
 
