@@ -1,11 +1,11 @@
-"""What a ``file://`` store handle's helpers see of it: the ``StoreHandle`` protocol.
+"""What the modules working on a ``file://`` store see of it: the ``StoreHandle`` protocol.
 
-Owns ``StoreHandle``, the parts of one ``FileStore`` that its helpers use (the evictor's
-``site.SegmentSite``, ``damage.DamagedPages`` and the ``health`` probe): the directory and its
-options and layout, the shared index and its lock, the segment readers and writer, record IO,
-the counters, and ``publish``, ``refresh`` and ``write_records``. The helpers are typed against
-this protocol and ``store`` hands them ``self``, so ``store`` imports them and none of them
-imports ``store``. Types only: nothing here runs on any thread.
+Owns ``StoreHandle``: what the evictor's ``site.SegmentSite``, ``damage.DamagedPages`` and the
+``health`` probe use of one ``FileStore`` (the directory and its options and layout, the shared
+index and its lock, the segment readers and writer, record IO, the counters, and ``publish``,
+``refresh`` and ``write_records``). Those modules are typed against this protocol and ``store``
+hands them ``self``, so ``store`` imports them and none of them imports ``store``. Types only:
+nothing here runs on any thread.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from kvtier.store.file.segment_files import SegmentReaders, SegmentWriter
 
 
 class StoreHandle(Protocol):
-    """One open ``FileStore`` as its helpers see it (``FileStore`` is the implementation)."""
+    """One open ``FileStore`` as those modules see it (``FileStore`` is the implementation)."""
 
     root: Path
     segments_dir: Path
