@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 
+from kvtier.bench.serve_load import RequestResult, summarize
+from kvtier.bench.serve_workloads import multi_turn, random_prompts, shared_prefix
 from kvtier.commands import bench_serve
-from kvtier.commands.serve_load import RequestResult, summarize
-from kvtier.commands.serve_workloads import multi_turn, random_prompts, shared_prefix
 from test_engine_support import make_config, running_server
 
 
@@ -62,7 +62,7 @@ def test_a_run_against_a_server_reports_hits_and_writes_json(tmp_path, capsys):
 
 
 def test_every_token_chunk_is_timed_even_with_empty_text():
-    from kvtier.commands import serve_load
+    from kvtier.bench import serve_load
 
     def chunk(text, finish=None):
         return ("data: " + json.dumps({"choices": [{"text": text, "finish_reason": finish}]})

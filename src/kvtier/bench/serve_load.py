@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvtier.commands.serve_workloads import ServeRequest
+from kvtier.bench.serve_workloads import ServeRequest
 
 TIERS = ("device", "host", "disk", "remote")
 
