@@ -59,7 +59,7 @@ run: install
 # layer).
 MYPY_STRICT := src/kvtier/keys.py src/kvtier/config.py src/kvtier/layout.py src/kvtier/errors.py \
 	src/kvtier/memory src/kvtier/index src/kvtier/store src/kvtier/transfer src/kvtier/controller \
-	src/kvtier/cache.py src/kvtier/admin
+	src/kvtier/cache.py src/kvtier/admin src/kvtier/config_doc.py
 
 lint: install-test
 	$(BIN)/ruff check src tests benchmarks
