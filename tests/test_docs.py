@@ -2,7 +2,7 @@
 
 What is checked, and why this way:
 
-- Every ``bash``/``sh`` block of README.md and docs/guide/ is split into simple commands
+- Every ``bash``/``sh`` block of README.md, docs/ and benchmarks/README.md is split into simple commands
   (``shlex``, on ``&&``, ``;``, ``|``, ``&``). A ``kvtier ...`` command (also as ``.venv/bin/kvtier``
   or ``python -m kvtier``) is parsed by the real argparse parser (``kvtier.cli.build_parser``), so
   a renamed subcommand, a removed flag or a bad choice fails here. Most blocks need a server, a
@@ -35,7 +35,6 @@ from kvtier import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-GUIDES = [ROOT / "README.md", *sorted((ROOT / "docs" / "guide").glob("*.md"))]
 ALL_DOCS = [ROOT / "README.md", ROOT / "benchmarks" / "README.md",
             *sorted((ROOT / "docs").rglob("*.md"))]
 
@@ -57,9 +56,9 @@ def _without_fences(text: str) -> str:
 
 
 def _shell_blocks() -> list[tuple[str, str]]:
-    """(where, block text) for every bash/sh block of the README and the guides."""
+    """(where, block text) for every bash/sh block of the docs."""
     blocks = []
-    for path in GUIDES:
+    for path in ALL_DOCS:
         for match in _FENCE.finditer(path.read_text(encoding="utf-8")):
             if match.group(1) in ("bash", "sh"):
                 blocks.append((_rel(path), match.group(2)))
