@@ -10,7 +10,7 @@ What is checked, and why this way:
   these (``kvtier info`` and ``kvtier plan`` without ``--probe`` or ``--config``) are also run
   in-process and must exit 0, which checks their values too. A ``make X`` command must name a
   Makefile target.
-- Every ``benchmarks/results/...`` path that any doc cites (README.md, docs/, benchmarks/README.md)
+- Every ``benchmarks/<script>.py`` and ``benchmarks/results/...`` path that any doc cites (README.md, docs/, benchmarks/README.md)
   must exist (a ``*`` or ``{a,b}`` in it must match at least one file), and so must every results
   file a doc names bare in inline code (``ttft_h200.txt``, ``serve_cpu.*``).
 - Every relative markdown link in those files must resolve to a file of the repository, and a
@@ -167,6 +167,13 @@ def _exists(rel: str) -> bool:
     if not Path(rel).suffix:  # an output prefix, such as bench_redis.py's --out
         rel += ".*"
     return all(any(ROOT.glob(p)) if "*" in p else (ROOT / p).exists() for p in _expand(rel))
+
+
+def test_every_benchmark_script_the_docs_cite_exists() -> None:
+    missing = sorted({f"{_rel(path)}: {script}" for path in ALL_DOCS
+                      for script in re.findall(r"benchmarks/\w+\.py", path.read_text(encoding="utf-8"))
+                      if not (ROOT / script).exists()})
+    assert missing == []
 
 
 def test_every_results_file_the_docs_cite_exists() -> None:
