@@ -2,17 +2,18 @@
 
 What is checked, and why this way:
 
-- Every ``bash``/``sh`` block of README.md, docs/ and benchmarks/README.md is split into simple commands
-  (``shlex``, on ``&&``, ``;``, ``|``, ``&``). A ``kvtier ...`` command (also as ``.venv/bin/kvtier``
+- Every ``bash``/``sh`` block of README.md, docs/ and benchmarks/README.md is split into simple
+  commands (``shlex``, on ``&&``, ``;``, ``|``, ``&``). A ``kvtier ...`` command (also as ``.venv/bin/kvtier``
   or ``python -m kvtier``) is parsed by the real argparse parser (``kvtier.cli.build_parser``), so
   a renamed subcommand, a removed flag or a bad choice fails here. Most blocks need a server, a
   GPU, a model or a network, so running them all is not robust; the commands that need none of
   these (``kvtier info`` and ``kvtier plan`` without ``--probe`` or ``--config``) are also run
   in-process and must exit 0, which checks their values too. A ``make X`` command must name a
   Makefile target.
-- Every ``benchmarks/<script>.py`` and ``benchmarks/results/...`` path that any doc cites (README.md, docs/, benchmarks/README.md)
-  must exist (a ``*`` or ``{a,b}`` in it must match at least one file), and so must every results
-  file a doc names bare in inline code (``ttft_h200.txt``, ``serve_cpu.*``).
+- Every ``benchmarks/<script>.py`` and ``benchmarks/results/...`` path that any doc cites
+  (README.md, docs/, benchmarks/README.md) must exist (a ``*`` or ``{a,b}`` in it must match at
+  least one file), and so must every results file a doc names bare in inline code
+  (``ttft_h200.txt``, ``serve_cpu.*``).
 - Every relative markdown link in those files must resolve to a file of the repository, and a
   ``#anchor`` into a markdown page must name one of its headings (GitHub's or mkdocs' slug).
 
