@@ -19,12 +19,16 @@ What is checked, and why this way:
 
 The docs site build (``mkdocs build --strict``, ``make docs-check``) checks the site's own links;
 this test runs without mkdocs. No network, no GPU, a few seconds.
+
+The vLLM connector and SGLang backend configs in the docs are parsed by the plug-ins' own option
+parsers (no vLLM or SGLang needed), and a connector's host tier must fit its pinned budget.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import json
 import re
 import shlex
 import unicodedata
@@ -220,3 +224,38 @@ def _broken_links() -> list[str]:
 
 def test_every_relative_link_in_the_docs_resolves() -> None:
     assert _broken_links() == []
+
+
+def _plugin_configs(flag: str) -> list[tuple[str, dict[str, object]]]:
+    """(where, JSON) of every ``--FLAG '...'`` in the docs' shell blocks."""
+    found = []
+    for where, block in _shell_blocks():
+        for match in re.finditer(rf"--{flag} '(.*?)'", block, re.DOTALL):
+            found.append((where, json.loads(match.group(1))))
+    return found
+
+
+def test_every_vllm_connector_config_in_the_docs_is_accepted_and_fits_its_pinned_budget() -> None:
+    from kvtier.integrations.vllm.options import parse_connector_config
+
+    configs = [(w, c) for w, c in _plugin_configs("kv-transfer-config")
+               if c.get("kv_connector") == "KvtierConnector"]
+    assert configs
+    for where, config in configs:
+        extra = config["kv_connector_extra_config"]
+        assert isinstance(extra, dict), where
+        options = parse_connector_config(extra, block_size=16, env={})
+        host = options.config.host
+        assert host.pool_bytes <= host.pinned_budget_bytes, (
+            f"{where}: a {host.pool_bytes}-byte host tier does not fit the pinned budget "
+            f"({host.pinned_budget_bytes}); the connector would refuse to start")
+
+
+def test_every_sglang_backend_config_in_the_docs_is_accepted() -> None:
+    from kvtier.integrations.sglang.options import parse_extra_config
+
+    configs = _plugin_configs("hicache-storage-backend-extra-config")
+    assert configs
+    for _, config in configs:
+        assert config["module_path"] == "kvtier.integrations.sglang"
+        parse_extra_config(config, env={})
