@@ -71,10 +71,10 @@ unit: install-test
 # The docs site (mkdocs.yml): `make docs` serves it on http://127.0.0.1:8001 and rebuilds on edits;
 # `make docs-check` (part of `make test`) builds it with --strict into a temporary folder, so a
 # broken link or anchor fails. The build takes a few seconds.
-docs: install-test
+docs: $(TEST_STAMP)
 	$(BIN)/mkdocs serve --dev-addr 127.0.0.1:8001
 
-docs-check: install-test
+docs-check: $(TEST_STAMP)
 	@site=$$(mktemp -d) && $(BIN)/mkdocs build --strict --quiet --site-dir "$$site"; \
 		status=$$?; rm -rf "$$site"; exit $$status
 
