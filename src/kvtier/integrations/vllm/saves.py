@@ -158,9 +158,12 @@ class SaveCopier:
 
     def commit(self, save: PromptSave) -> None:
         """Index and write the copied pages (the write policy takes over from here)."""
+        if save.ready is not None:      # the forward's copies: poll, not a spinning wait
+            pause = 2e-5
+            while not save.ready.query():
+                time.sleep(pause)
+                pause = min(2 * pause, 1e-3)
         rt, started = self.runtime, time.thread_time()
-        if save.ready is not None:
-            save.ready.synchronize()
         with rt.lock:
             rt.counts["save_copy_cpu_us"] += save.copy_cpu_us
             if save.layers_copied < self.num_layers:
