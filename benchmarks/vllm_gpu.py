@@ -52,7 +52,8 @@ from typing import Any
 VARIANTS = {"kvtier_ce": {"copy_path": "copy_engine"},
             "kvtier_ce128": {"copy_path": "copy_engine", "page_size": 128},
             "kvtier_lp0": {"load_programs": 0},
-            "kvtier_lp16": {"load_programs": 16}}
+            "kvtier_lp16": {"load_programs": 16},
+            "kvtier_sp4": {"store_programs": 4}}
 CASES = ("recompute", "alone", "native", "kvtier", *VARIANTS, "disk_store", "disk_hit")
 KVTIER_CASES = ("kvtier", *VARIANTS, "disk_store", "disk_hit")
 TOKEN_LOW, TOKEN_HIGH = 5, 1000            # ordinary tokens of kvtier's tiny tokenizer
@@ -187,7 +188,8 @@ class Case:
             log(f"{self.name}/{self.mode} {length}: " + json.dumps(
                 {k: v for k, v in r.items() if k not in ("tokens16",)}, default=str)[:400])
             emit("LENGTH", length=length, result=r)
-        if self.name in ("alone", "kvtier") and self.mode == "graphs" and a.batch:
+        if (self.name == "alone" or self.name.startswith("kvtier")) and self.mode == "graphs" \
+                and a.batch:
             self.res["throughput"] = self.throughput()
         if self.name in KVTIER_CASES:
             self.res["kvtier"] = self.runtime().stats()["connector"]
@@ -421,6 +423,8 @@ def summarize(args: argparse.Namespace, results: list[dict[str, Any]]) -> dict[s
             for variant in VARIANTS:
                 line[f"{variant}_host_hit_ms"] = cell(variant)
                 line[f"{variant}_over_native"] = ratio(cell(variant), line["native_hit_ms"])
+                line[f"{variant}_miss_over_alone"] = ratio(cell(variant, "unseen_ttft_ms"),
+                                                           line["alone_unseen_ms"])
             line["recompute_over_disk"] = ratio(line["recompute_ms"], line["kvtier_disk_hit_ms"])
             line["miss_over_alone"] = ratio(line["kvtier_unseen_ms"], line["alone_unseen_ms"])
             table[key] = line
@@ -431,20 +435,22 @@ def summarize(args: argparse.Namespace, results: list[dict[str, Any]]) -> dict[s
                          " ".join(f"{c}={'y' if v else ('n' if v is False else '-')}"
                                   for c, v in agree.items())])
         variants = [(length, v, table[str(length)][f"{v}_host_hit_ms"],
-                     table[str(length)][f"{v}_over_native"]) for length in args.lengths
+                     table[str(length)][f"{v}_over_native"],
+                     table[str(length)][f"{v}_miss_over_alone"]) for length in args.lengths
                     for v in VARIANTS if table[str(length)][f"{v}_host_hit_ms"] is not None]
-        thr = {c: by.get((c, mode), {}).get("throughput") for c in ("alone", "kvtier")}
-        if thr["alone"] and thr["kvtier"]:
-            thr["kvtier_over_alone"] = ratio(thr["kvtier"]["gen_tok_s"], thr["alone"]["gen_tok_s"])
+        thr = {c: by.get((c, mode), {}).get("throughput") for c in ("alone", "kvtier", *VARIANTS)}
+        for c in ("kvtier", *VARIANTS):
+            if thr["alone"] and thr[c]:
+                thr[f"{c}_over_alone"] = ratio(thr[c]["gen_tok_s"], thr["alone"]["gen_tok_s"])
         table["throughput"] = thr
         summary[mode] = table
         print(f"\n== {mode} (TTFT ms, median of {args.repeats}) ==")
         print(format_table(["tokens", "recompute", "gpu hit", "native hit", "kvtier host",
                             "kv/native", "kvtier disk", "recomp/disk", "miss/alone",
                             "16 tokens = recompute"], rows))
-        for length, variant, ms, over in variants:
+        for length, variant, ms, over, miss in variants:
             print(f"{length} tokens: {variant} ({VARIANTS[variant]}) host hit {ms} ms, "
-                  f"{over}x native")
+                  f"{over}x native; miss {miss}x alone")
         for (case, run_mode), res in sorted(by.items()):
             for length, r in res.get("lengths", {}).items():
                 for what in ("profile", "profile_unseen"):
@@ -459,6 +465,10 @@ def summarize(args: argparse.Namespace, results: list[dict[str, Any]]) -> dict[s
             print(f"throughput, {args.batch} prompts x {THROUGHPUT_PROMPT} tokens, "
                   f"{THROUGHPUT_NEW} new: alone {thr['alone']['gen_tok_s']} gen tok/s, kvtier "
                   f"on (no hit) {thr['kvtier']['gen_tok_s']} ({thr['kvtier_over_alone']}x)")
+        for c in VARIANTS:
+            if thr.get(f"{c}_over_alone") is not None:
+                print(f"throughput {c} ({VARIANTS[c]}): {thr[c]['gen_tok_s']} gen tok/s "
+                      f"({thr[f'{c}_over_alone']}x alone)")
     return summary
 
 

@@ -38,6 +38,7 @@ CONFIG_KEYS: dict[str, str] = {
     "io_workers": "controller.io_workers",
     "copy_path": "host.copy_path",
     "load_programs": "host.load_programs",
+    "store_programs": "host.store_programs",
 }
 
 #: Staging pages (kvtier's own page pool between vLLM's blocks and the host tier) when unset.
