@@ -160,6 +160,9 @@ class Case:
                 break
             self.gen(prompt(2 * self.args.block_size, seed=99), 1)
             self.settle()
+        else:
+            self.res.setdefault("warnings", []).append("vLLM's prefix cache did not reset")
+        self.zero_vllm_kv()
         if self.name in KVTIER_CASES:
             # One step more: a load whose copy had not landed when its step ended is released
             # at the next step, and until then its pages stay on kvtier's device tier.
@@ -169,6 +172,24 @@ class Case:
             with rt.lock:
                 for tier in tiers:
                     rt.cache.clear_tier(tier)
+
+    def zero_vllm_kv(self) -> None:
+        """Zero every block of vLLM's KV cache (none is in use after the reset): a hit must
+        bring its KV back itself; stale blocks left by the last run of the same prompt would
+        hide a load the forward did not wait for."""
+        import torch
+
+        ctx = self.llm.llm_engine.vllm_config.compilation_config.static_forward_context
+        zeroed = 0
+        for layer in ctx.values():
+            held = getattr(layer, "kv_cache", None)
+            for kv in ([held] if isinstance(held, torch.Tensor) else list(held or ())):
+                if isinstance(kv, torch.Tensor) and kv.numel():
+                    kv.zero_()
+                    zeroed += 1
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.res["kv_tensors_zeroed"] = zeroed
 
     # ---- the measurements -------------------------------------------------------------------
     def run(self) -> None:
@@ -273,9 +294,15 @@ class Case:
     def tier_hits(self) -> dict[str, int]:
         if self.name not in KVTIER_CASES:
             return {}
-        counts = self.runtime().stats()["connector"]
-        return {k: v for k, v in counts.items()
-                if k.startswith("hit_tokens_") or k in ("lookup_us", "lookup_lock_wait_us")}
+        stats = self.runtime().stats()
+        counts = stats["connector"]
+        out = {k: v for k, v in counts.items()
+               if k.startswith("hit_tokens_") or k in ("lookup_us", "lookup_lock_wait_us",
+                                                       "claimed_tokens")}
+        copy = (stats.get("cache") or {}).get("copy") or {}
+        if "load_bytes" in copy:
+            out["copied_to_gpu_bytes"] = copy["load_bytes"]
+        return out
 
     def case_native(self, p: list[int], r: dict[str, Any], timed: bool) -> None:
         self._store_then_hits(p, r, timed)
