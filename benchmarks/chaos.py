@@ -78,6 +78,9 @@ class Cfg:
     page_tokens: int = 16
     tp: int = 1
     rank: int = 0
+    #: Which prompt the pages are of: 0 the shared one; > 0 others; < 0 the kill -9 writer's,
+    #: where every page is a one-page prompt of its own.
+    prompt: int = 0
 
     @property
     def full_page_bytes(self) -> int:
@@ -102,7 +105,7 @@ BASE = Cfg()
 
 def expected_full(cfg: Cfg, i: int) -> bytes:
     seed = hashlib.sha256(f"{cfg.model}|{cfg.weights}|{cfg.dtype}|{cfg.kv_heads}|"
-                          f"{cfg.page_tokens}|{i}".encode()).digest()
+                          f"{cfg.page_tokens}|{cfg.prompt}|{i}".encode()).digest()
     return np.random.default_rng(int.from_bytes(seed[:8], "little")).bytes(cfg.full_page_bytes)
 
 
@@ -113,22 +116,22 @@ def expected(cfg: Cfg, i: int) -> bytes:
     return b"".join(full[o:o + n] for o, n in cfg.rank_ranges())
 
 
-@functools.lru_cache(maxsize=4)
-def prompt(count: int) -> tuple[int, ...]:
-    rng = random.Random(7)
+@functools.lru_cache(maxsize=8)
+def prompt(count: int, seed: int) -> tuple[int, ...]:
+    rng = random.Random(7 + seed)
     return tuple(rng.randrange(5, 30000) for _ in range(count))
 
 
 def isolated(cfg: Cfg) -> bool:
     """Pages of the kill -9 writer: each page a one-page prompt of its own (any number)."""
-    return cfg.model == "kill9"
+    return cfg.prompt < 0
 
 
 def page_tokens(cfg: Cfg, n: int) -> list[int]:
     if isolated(cfg):
         rng = random.Random(n)
         return [rng.randrange(5, 30000) for _ in range(cfg.page_tokens)]
-    return list(prompt(PAGES * 32)[n * cfg.page_tokens:(n + 1) * cfg.page_tokens])
+    return list(prompt(PAGES * 32, cfg.prompt)[n * cfg.page_tokens:(n + 1) * cfg.page_tokens])
 
 
 def chain_hashes(cfg: Cfg, idx: list[int]) -> list[bytes]:
@@ -443,8 +446,7 @@ def _score(ad: Adapter, h: Any, cfg: Cfg, damaged: set[int], idx: list[int] | No
     c = Count()
     try:
         got = ad.get(h, cfg, idx)
-    except Exception as exc:
-        c.errors += 1
+    except Exception as exc:  # counted page by page below
         c.note = f"{type(exc).__name__}: {exc}"[:160]
         got = []
         for i in idx:  # page by page, to count the rest
@@ -529,7 +531,7 @@ def fault_file(ad: Adapter, fault: str, root: Path, scratch: Path) -> Count:
             stamp = now + 10 * 365 * 86400 if n % 2 else 1.0  # ten years ahead, or 1970
             os.utime(path, (stamp, stamp))
         h = ad.open(root, BASE)  # and the store keeps working: new pages go in and come out
-        more = Cfg(model="other-prompts")
+        more = replace(BASE, prompt=1)
         ok = ad.put(h, more, list(range(4)), [expected(more, i) for i in range(4)])
         c2 = _score(ad, h, more, set(), idx=[i for i in range(4) if ok[i]])
         ad.close(h)
@@ -571,7 +573,7 @@ def _kill9(ad: Adapter, root: Path, rounds: int = 4) -> Count:
         lines = [ln for ln in out.splitlines(keepends=True) if ln.endswith("\n")]
         acked |= {int(x) for ln in lines for x in ln.split()}
         tried |= set(range(start, max(acked | {start}) + 8))
-    cfg = replace(BASE, model="kill9")
+    cfg = replace(BASE, prompt=-1)
     h = ad.open(root, cfg)
     order = sorted(tried)
     for at in range(0, len(order), 64):
@@ -593,7 +595,7 @@ def writer_main(system: str, root: Path, start: int) -> None:
     scratch = root.parent / f"writer-{start}"
     scratch.mkdir(exist_ok=True)
     ad = _adapter(system, scratch)
-    cfg = replace(BASE, model="kill9")
+    cfg = replace(BASE, prompt=-1)
     h = ad.open(root, cfg)
     print("open", flush=True)
     i = start
@@ -634,7 +636,7 @@ def _full_disk(ad: Adapter, scratch: Path) -> Count:
         filler = root / "filler"
         with contextlib.suppress(OSError), open(filler, "wb") as f:
             f.write(bytes(1 << 20))  # whatever room is left, taken by another program
-        more = Cfg(model="after-full")
+        more = replace(BASE, prompt=2)
         try:
             ok = ad.put(h, more, list(range(4)), [expected(more, n) for n in range(4)])
             refused_writes = ok.count(False)
@@ -661,7 +663,7 @@ def _read_only(ad: Adapter, scratch: Path) -> Count:
         c = _reopen_and_score(ad, root, BASE, set())
         try:
             h = ad.open(root, BASE)
-            more = Cfg(model="after-ro")
+            more = replace(BASE, prompt=3)
             ok = ad.put(h, more, list(range(4)), [expected(more, n) for n in range(4)])
             c.note = f"{ok.count(False)}/4 new writes refused"
             ad.close(h)
