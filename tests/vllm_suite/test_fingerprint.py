@@ -9,8 +9,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from kvtier.integrations.vllm.fingerprint import model_fingerprint
 from vllm_helpers import build_model
+
+from kvtier.integrations.vllm.fingerprint import model_fingerprint
 
 
 def _config(model: Path, load_format: str = "auto") -> Any:
