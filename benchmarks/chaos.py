@@ -166,6 +166,7 @@ class Adapter:
     """Open / put / get through a system's API; ``locate`` finds a page's payload bytes."""
 
     name = ""
+    restart_forgets = False                # a new process starts with an empty index
     index_files: tuple[str, ...] = ()      # metadata beside the pages ("deleted_index")
     manifest_files: tuple[str, ...] = ()   # ("deleted_manifest")
 
@@ -419,6 +420,84 @@ class SglangFile(Adapter):
         return root / f"{h}_{cfg.model}_{cfg.rank}_{cfg.tp}.bin", 0, cfg.page_bytes
 
 
+class LmcacheDisk(Adapter):
+    """LMCache's ``LocalDiskBackend`` over a ``LocalCPUBackend`` allocator, one chunk a page.
+    Its index of what is on disk lives in the process (``dict``): a server that restarts
+    starts empty, so ``open`` returns the live backend of a root to the same server (same
+    config) and a new one to a new server."""
+
+    name = "lmcache-disk"
+    restart_forgets = True
+
+    def __init__(self) -> None:
+        import asyncio
+
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.live: dict[tuple[Any, ...], Any] = {}
+
+    def open(self, root: Path, cfg: Cfg) -> Any:
+        from lmcache.v1.config import LMCacheEngineConfig
+        from lmcache.v1.memory_allocators.ad_hoc_memory_allocator import AdHocMemoryAllocator
+        from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+        from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend
+
+        ident = (str(root), cfg.model, cfg.tp, cfg.rank, cfg.dtype, cfg.page_tokens,
+                 cfg.kv_heads, cfg.weights)
+        if ident not in self.live:
+            config = LMCacheEngineConfig.from_legacy(backend="local_disk")
+            config.local_disk, config.max_local_disk_size, config.local_cpu = str(root), 1.0, False
+            cpu = LocalCPUBackend(config, memory_allocator=AdHocMemoryAllocator("cpu"),
+                                  dst_device="cpu")
+            self.live[ident] = (LocalDiskBackend(config, self.loop, cpu, dst_device="cpu"), cpu)
+        return self.live[ident]
+
+    def close(self, h: Any) -> None:
+        pass  # the server keeps running: its backend stays live
+
+    def keys(self, cfg: Cfg, idx: list[int]) -> list[Any]:
+        import torch
+        from lmcache.utils import CacheEngineKey
+
+        dtype = getattr(torch, cfg.dtype)
+        return [CacheEngineKey(cfg.model, cfg.tp, cfg.rank, int.from_bytes(h[:8], "little"),
+                               dtype) for h in chain_hashes(cfg, idx)]
+
+    def put(self, h: Any, cfg: Cfg, idx: list[int], pages: list[bytes]) -> list[bool]:
+        import torch
+        from lmcache.v1.memory_management import MemoryFormat
+
+        disk, cpu = h
+        keys = self.keys(cfg, idx)
+        for key, page in zip(keys, pages, strict=True):
+            obj = cpu.allocate(torch.Size([len(page)]), torch.uint8, MemoryFormat.KV_2LTD)
+            obj.tensor.copy_(torch.frombuffer(bytearray(page), dtype=torch.uint8))
+            disk.submit_put_task(key, obj)
+        deadline = time.monotonic() + 2.0  # writes are asynchronous: acknowledged once indexed
+        while not all(disk.contains(k) for k in keys) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return [disk.contains(k) for k in keys]
+
+    def get(self, h: Any, cfg: Cfg, idx: list[int]) -> list[bytes | None]:
+        disk, _ = h
+        out: list[bytes | None] = []
+        for key in self.keys(cfg, idx):
+            if not disk.contains(key):
+                out.append(None)
+                continue
+            obj = disk.get_blocking(key)
+            if obj is None:
+                out.append(None)
+                continue
+            out.append(obj.tensor.numpy().tobytes()[:cfg.page_bytes])
+            obj.ref_count_down()
+        return out
+
+    def locate(self, root: Path, cfg: Cfg, i: int) -> tuple[Path, int, int]:
+        key = self.keys(cfg, [i])[0]
+        return root / (key.to_string().replace("/", "-") + ".pt"), 0, cfg.page_bytes
+
+
 def _tiny_checkpoint(directory: Path, weights: str) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
@@ -546,11 +625,14 @@ def fault_file(ad: Adapter, fault: str, root: Path, scratch: Path) -> Count:
                "other_dtype": replace(BASE, dtype="float8_e4m3fn"),
                "other_tp_size": replace(BASE, tp=2, rank=0),
                "fine_tune_same_name": replace(BASE, weights="tuned")}[fault]
-        if fault == "other_tp_size":  # a page stored at TP 1 is right for a TP 2 rank
+        if fault == "other_tp_size" and not ad.restart_forgets:  # right for a TP 2 rank
             c = _reopen_and_score(ad, root, new, set(), reusable=False)
             c.note = (c.note + " " if c.note else "") + f"{PAGES - c.refused} served"
             return c
-        return _reopen_and_score(ad, root, new, set(range(PAGES)), reusable=False)
+        c = _reopen_and_score(ad, root, new, set(range(PAGES)), reusable=False)
+        if ad.restart_forgets:
+            c.note = "a new server's index starts empty: nothing on disk is found"
+        return c
     return _reopen_and_score(ad, root, BASE, damaged)
 
 
@@ -831,6 +913,8 @@ def _adapter(system: str, scratch: Path, server: Any = None) -> Adapter:
         return VllmFs()
     if system == "sglang-file":
         return SglangFile()
+    if system == "lmcache-disk":
+        return LmcacheDisk()
     raise SystemExit(f"unknown system {system}")
 
 
@@ -871,7 +955,8 @@ def run_redis_faults(faults: tuple[str, ...] = REDIS_FAULTS) -> dict[str, Any]:
 def worker_main(system: str) -> None:
     logging_quiet()
     result = run_redis_faults() if system == "kvtier-redis" else run_file_faults(system)
-    print("RESULT " + json.dumps(result))
+    print("RESULT " + json.dumps(result), flush=True)
+    os._exit(0)  # peers leave non-daemon threads (IO pools) behind
 
 
 def logging_quiet() -> None:
@@ -940,7 +1025,7 @@ def main() -> None:
     parser.add_argument("--root")
     parser.add_argument("--start", type=int, default=0)
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--systems", default=",".join([*SYSTEMS, "lmcache-disk"]))
     parser.add_argument("--lmcache-python", default="")
     args = parser.parse_args()
     if args.writer:
@@ -950,7 +1035,12 @@ def main() -> None:
         worker_main(args.worker)
         return
     results: dict[str, dict[str, Any]] = {}
+    if args.lmcache_python:
+        SYSTEMS["lmcache-disk"] = (args.lmcache_python, False)
     for system in args.systems.split(","):
+        if system not in SYSTEMS:
+            results[system] = {"_failed": "no Python with it installed (--lmcache-python)"}
+            continue
         python, with_src = SYSTEMS[system]
         t0 = time.monotonic()
         results[system] = run_system(system, python, with_src)

@@ -90,7 +90,9 @@ def _run(service: EngineService, recorder: FirstLogits, batch: list[list[int]], 
             served[tier] = served.get(tier, 0) + tokens
         head = finish.prefill.recomputed_hit_tokens
         served["split_head"] = served.get("split_head", 0) + head
-        served["splits"] = served.get("splits", 0) + int(0 < head < finish.prefill.matched_tokens)
+        split = 0 < head < finish.prefill.matched_tokens
+        served["splits"] = served.get("splits", 0) + int(split)
+        served.setdefault("split_each", []).append(int(split))
     return [(tokens, recorder.by_id.pop(h.request.request_id))
             for h, (tokens, _) in zip(handles, results, strict=True)]
 
@@ -147,9 +149,12 @@ def run_cell(args: argparse.Namespace, arch: str, dtype: str, mode: str,
         firsts = [next((i for i, (x, y) in enumerate(zip(a[0], b[0], strict=True)) if x != y),
                        -1) for a, b in pairs_]
         deltas = [float((a[1] - b[1]).abs().max()) for a, b in pairs_]
+        split_each = served[tier].pop("split_each", [0] * len(rows))
+        split_same = [a[0] == b[0] for (a, b), sp in zip(pairs_, split_each, strict=True) if sp]
         cells.append({"arch": arch, "dtype": dtype, "mode": mode, "page_size": page_size, "tier": tier,
                       "prompts": len(rows), "identical_share": round(same / len(rows), 4),
                       "identical": same == len(rows), "cached_tokens_by_tier": served[tier],
+                      "split_prompts": len(split_same), "split_identical": sum(split_same),
                       "first_divergent": [f for f in firsts if f >= 0][:20],
                       "first_logits_bit_identical_share": round(
                           sum(torch.equal(a[1], b[1]) for a, b in pairs_) / len(rows), 4),
@@ -211,9 +216,11 @@ def main() -> int:
                 _write(args, cells)      # after every cell: a run cut short keeps what it did
     rows = [[c["arch"], c["dtype"], c["mode"], c["page_size"], c["tier"], c["prompts"],
              f"{100 * c['identical_share']:.1f} %", c["identical"],
+             f"{c['split_identical']}/{c['split_prompts']}",
              f"{100 * c['first_logits_bit_identical_share']:.1f} %",
              f"{c['max_abs_dlogit']:.3g}"] for c in cells]
     text = format_table(["arch", "dtype", "mode", "page", "hit", "prompts", "identical", "all",
+                         "split: identical/all",
                          "logits bit-identical", "max |dlogit|"], rows)
     print(text)
     _write(args, cells, text)
