@@ -903,6 +903,142 @@ def _redis_dropped(ad: KvtierRedis, h: Any, client: Any) -> Count:
     return c
 
 
+# ---- kvtier's server end to end (the engine a ``kvtier serve`` runs, embedded tiny model) ----
+SERVE_FAULTS = ("bit_flip", "zeroed_range", "truncated", "other_page_copied",
+                "stale_older_format", "deleted_index", "fine_tune_same_name", "clock_skew",
+                "read_only_disk")
+
+
+def _records(root: Path) -> list[tuple[Path, int, int, int]]:
+    """Every record of a kvtier disk store: (segment, header offset, payload offset, length)."""
+    import zlib
+
+    out = []
+    for seg in sorted((root / "segments").glob("*.seg")):
+        data = seg.read_bytes()
+        at = data.find(b"KVTR")
+        while at >= 0:
+            head = data[at:at + 64]
+            if len(head) == 64 and zlib.crc32(head[:60]) == struct.unpack("<I", head[60:])[0]:
+                _, _, _, place, length, _, _ = struct.unpack("<4sHHIQQ32s", head[:60])
+                out.append((seg, at, place * 512, length))
+            at = data.find(b"KVTR", at + 1)
+    return out
+
+
+def _damage_store(fault: str, root: Path) -> None:
+    import zlib
+
+    records = _records(root)
+    for n, (seg, head, off, length) in enumerate(records):
+        if fault == "bit_flip":
+            with open(seg, "r+b") as f:
+                f.seek(off + length // 3)
+                byte = f.read(1)[0]
+                f.seek(off + length // 3)
+                f.write(bytes([byte ^ 0x10]))
+        elif fault == "zeroed_range":
+            _patch(seg, off + length // 4, bytes(min(512, length // 2)))
+        elif fault == "other_page_copied" and len(records) > 1:
+            src, _, soff, _ = records[(n + 1) % len(records)]
+            with open(src, "rb") as f:
+                f.seek(soff)
+                _patch(seg, off, f.read(length))
+        elif fault == "stale_older_format":
+            body = bytearray(seg.read_bytes()[head:head + 60])
+            body[4:6] = struct.pack("<H", 0)
+            _patch(seg, head, bytes(body) + struct.pack("<I", zlib.crc32(bytes(body))))
+    if fault == "truncated":
+        for seg in sorted((root / "segments").glob("*.seg")):
+            os.truncate(seg, seg.stat().st_size // 2)
+    elif fault == "deleted_index":
+        for pattern in KvtierFile.index_files:
+            for path in root.glob(pattern):
+                path.unlink()
+    elif fault == "clock_skew":
+        for n, path in enumerate(sorted(root.rglob("*"))):
+            stamp = time.time() + 10 * 365 * 86400 if n % 2 else 1.0
+            os.utime(path, (stamp, stamp))
+
+
+def _serve_prompts() -> list[list[int]]:
+    rng = random.Random(3)
+    shared = [rng.randrange(5, 1000) for _ in range(320)]
+    return [shared[:rng.randrange(200, 320)] + [rng.randrange(5, 1000) for _ in range(40)]
+            for _ in range(6)]
+
+
+def _service(disk: Path | None, seed: int, cache: bool = True) -> Any:
+    from kvtier.config import build_config
+    from kvtier.engine.service import EngineService
+
+    flags = {"engine.model": "tiny-llama", "engine.device": "cpu", "engine.dtype": "float32",
+             "engine.seed": str(seed), "cache.enabled": str(cache).lower(),
+             "cache.page_size": "16", "host.pool_bytes": "8MiB" if cache else "0",
+             "controller.min_prefetch_tokens": "0",
+             "controller.prefetch_policy": "wait_complete",
+             "store.disk_url": f"file://{disk}" if disk else ""}
+    return EngineService.build(build_config(env={}, flags=flags), max_running=1)
+
+
+def _answers(service: Any, batch: list[list[int]]) -> tuple[list[list[int]], int]:
+    from kvtier.engine.request import GenerationRequest
+
+    out, disk_tokens = [], 0
+    for prompt in batch:
+        tokens, finish = service.submit(GenerationRequest(tuple(prompt), 12)).result(timeout=600)
+        out.append(list(tokens))
+        disk_tokens += finish.prefill.cached_by_tier.get("disk", 0)
+    return out, disk_tokens
+
+
+def run_server_faults(faults: tuple[str, ...] = SERVE_FAULTS) -> dict[str, Any]:
+    """Per fault: a server with a disk tier answers the prompts and stops (its writes
+    flushed); the fault hits its disk directory; a restarted server answers them again.
+    ``wrong``: answers unlike ``--no-cache``'s; ``refused``: prompts that got no disk hit."""
+    prompts_ = _serve_prompts()
+    wants = {}
+    for seed in (0, 1):
+        plain = _service(None, seed, cache=False)
+        try:
+            wants[seed] = _answers(plain, prompts_)[0]
+        finally:
+            plain.close()
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for fault in ("none", *faults):
+            if fault == "read_only_disk" and os.geteuid() != 0:
+                out[fault] = Count(note="skipped: remounting read-only needs root").as_dict()
+                continue
+            with contextlib.ExitStack() as stack:
+                root = (stack.enter_context(_tmpfs(Path(tmp), "4g")) if fault ==
+                        "read_only_disk" else Path(tmp) / fault) / "disk"
+                first = _service(root, 0)
+                try:
+                    _answers(first, prompts_)
+                finally:
+                    first.close()
+                if fault == "read_only_disk":
+                    subprocess.run(["mount", "-o", "remount,ro", str(root.parent)], check=True)
+                else:
+                    _damage_store(fault, root)
+                seed = 1 if fault == "fine_tune_same_name" else 0
+                c = Count()
+                try:
+                    again = _service(root, seed)
+                    try:
+                        got, disk_tokens = _answers(again, prompts_)
+                    finally:
+                        again.close()
+                    c.wrong = sum(a != b for a, b in zip(got, wants[seed], strict=True))
+                    c.note = f"{disk_tokens} prompt tokens served from disk"
+                except Exception as exc:  # an error reached the client
+                    c.errors = 1
+                    c.note = f"{type(exc).__name__}: {exc}"[:160]
+                out[fault] = c.as_dict()
+    return out
+
+
 # ---- workers and the parent ----------------------------------------------------------------
 def _adapter(system: str, scratch: Path, server: Any = None) -> Adapter:
     if system == "kvtier-file":
@@ -954,7 +1090,12 @@ def run_redis_faults(faults: tuple[str, ...] = REDIS_FAULTS) -> dict[str, Any]:
 
 def worker_main(system: str) -> None:
     logging_quiet()
-    result = run_redis_faults() if system == "kvtier-redis" else run_file_faults(system)
+    if system == "kvtier-redis":
+        result = run_redis_faults()
+    elif system == "kvtier-serve":
+        result = run_server_faults()
+    else:
+        result = run_file_faults(system)
     print("RESULT " + json.dumps(result), flush=True)
     os._exit(0)  # peers leave non-daemon threads (IO pools) behind
 
@@ -968,6 +1109,7 @@ def logging_quiet() -> None:
 SYSTEMS = {
     "kvtier-file": ("/work/main/.venv/bin/python", True),
     "kvtier-redis": ("/work/main/.venv/bin/python", True),
+    "kvtier-serve": ("/work/main/.venv/bin/python", True),
     "vllm-fs": ("/work/main/.venv-vllm/bin/python", False),
     "sglang-file": ("/work/main/.venv-sglang/bin/python", False),
 }
@@ -986,29 +1128,37 @@ def run_system(system: str, python: str, with_src: bool, timeout: float = 900) -
 
 
 def render(results: dict[str, dict[str, Any]]) -> str:
-    systems = list(results)
-    faults = list(dict.fromkeys([*FILE_FAULTS, *(f"redis:{f}" for f in REDIS_FAULTS)]))
-    head = f"{'fault':24}" + "".join(f"{s:>16}" for s in systems)
+    systems = [s for s in results if s != "kvtier-serve"]
+    faults = [*FILE_FAULTS, *(f"redis:{f}" for f in REDIS_FAULTS)]
+    head = f"{'fault':26}" + "".join(f"{s:>15}" for s in systems)
     lines = [head, "-" * len(head)]
     for fault in faults:
         cells = []
         for s in systems:
             redis_row = fault.startswith("redis:")
-            key = fault.removeprefix("redis:")
+            r = results[s].get(fault.removeprefix("redis:"))
             if (s == "kvtier-redis") != redis_row:
                 cells.append("n/a")
-                continue
-            r = results[s].get(key)
-            if r is None:
+            elif "_failed" in results[s]:
+                cells.append("failed")
+            elif r is None:
                 cells.append("-")
             elif r.get("note", "").startswith(("n/a", "skipped")):
                 cells.append(r["note"].split(":")[0])
             else:
                 cells.append(f"{r['wrong']}/{r['refused']}/{r['lost']}"
                              + (f" E{r['errors']}" if r["errors"] else ""))
-        lines.append(f"{fault:24}" + "".join(f"{c:>16}" for c in cells))
-    lines.append("cells: wrong/refused/lost of the pages read (E<n>: exceptions reached the "
-                 "caller)")
+        lines.append(f"{fault:26}" + "".join(f"{c:>15}" for c in cells))
+    lines.append("cells: pages served wrong / refused (a miss) / lost (untouched by the fault, or "
+                 "acknowledged before a kill -9, and not served); E<n>: exceptions that reached "
+                 "the caller")
+    serve = results.get("kvtier-serve")
+    if serve and "_failed" not in serve:
+        lines += ["", "kvtier serve (embedded tiny-llama, CPU), restarted on the damaged disk "
+                  "directory: wrong answers against --no-cache",
+                  f"{'fault':26}{'wrong answers':>15}{'errors':>8}  disk tokens served"]
+        for fault, r in serve.items():
+            lines.append(f"{fault:26}{r['wrong']:>15}{r['errors']:>8}  {r['note']}")
     return "\n".join(lines)
 
 

@@ -3,7 +3,9 @@ root (bit flips, zeroed ranges, truncation, another page's bytes, a stale older 
 index or manifest, another shape / page size / dtype / TP size / fine-tune, clock skew; on Redis
 also another tenant's value, eviction mid-read, a restart, a paused server, dropped
 connections) kvtier serves no wrong page, raises nothing to the caller and keeps every page the
-fault did not touch. The kill -9 fault is ``tests/store/file/test_store_file_crash.py``."""
+fault did not touch; a server restarted on a damaged disk directory (or with other weights under
+the same model name) answers as ``--no-cache`` does. The kill -9 fault is
+``tests/store/file/test_store_file_crash.py``."""
 
 from __future__ import annotations
 
@@ -51,3 +53,10 @@ def test_redis_store_serves_no_wrong_page_under_any_fault() -> None:
     results = chaos.run_redis_faults(chaos.REDIS_FAULTS)
     _check(results)
     assert results["tenant_overwrite"]["refused"] == len(chaos.TARGETS)
+
+
+def test_a_restarted_server_answers_as_without_cache_on_a_damaged_disk() -> None:
+    results = chaos.run_server_faults(("bit_flip", "fine_tune_same_name"))
+    assert int(results["none"]["note"].split()[0]) > 0  # undamaged, the disk serves hits
+    for fault, r in results.items():
+        assert r["wrong"] == 0 and r["errors"] == 0, (fault, r)

@@ -77,6 +77,7 @@ def test_a_read_only_store_serves_its_pages_and_refuses_writes(tmp_path: Path) -
                 assert all(guard.read_into([key_for(i) for i in range(8)], out))
                 assert [o.tobytes() for o in out] == _pages(8)
                 assert guard.write([key_for(100)], [page_bytes_for(100, PAGE)]) == [False]
+                assert guard.stats().errors == 0 and guard.stats().refused == 1  # no IO tried
                 guard.supervisor.tick()  # a health check: the store stays open
                 assert all(guard.read_into([key_for(i) for i in range(8)], out))
             finally:

@@ -254,6 +254,9 @@ class FileStore(PageStore):
                 raise ValueError(f"a page key is {KEY_BYTES} bytes, got {len(key)}")
         if not keys:
             return []
+        if self.journal.read_only:  # nothing can be journaled: refused before any IO
+            self.counters.add(refused=len(keys))
+            return [False] * len(keys)
         if not self.evictor.make_room(len(keys)):
             self.counters.add(refused=len(keys))
             return [False] * len(keys)
