@@ -36,6 +36,7 @@ import torch
 
 from kvtier.config import build_config
 from kvtier.engine import paged
+from kvtier.engine.hf import load_model
 from kvtier.engine.request import GenerationRequest
 from kvtier.engine.service import EngineService
 from kvtier.machine import format_table, machine_info
@@ -104,8 +105,12 @@ def _drop(service: EngineService, tiers: tuple[str, ...]) -> None:
 def run_cell(args: argparse.Namespace, arch: str, dtype: str, mode: str,
              page_size: int) -> list[dict[str, Any]]:
     started = time.perf_counter()
-    lm = build_lm(arch, dtype, mode, args.device, args.hidden, args.layers)
-    paged.install(lm.model)                  # as hf.load_model does
+    if arch.endswith("-shape"):              # a preset with a real model's shapes
+        lm = load_model(arch, device=args.device, dtype=dtype, seed=args.seed,
+                        deterministic=mode == "deterministic")
+    else:
+        lm = build_lm(arch, dtype, mode, args.device, args.hidden, args.layers)
+        paged.install(lm.model)              # as hf.load_model does
     pairs = prompts(args.prompts, args.prompt_tokens, args.seed)
     plain = _service(lm, args, dtype, mode, page_size, False, 1)
     plain_logits = FirstLogits(plain)
@@ -185,7 +190,9 @@ def _restarted(args: argparse.Namespace, lm: Any, dtype: str, mode: str, page_si
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--archs", default="llama,qwen2,mistral")
+    parser.add_argument("--archs", default="llama,qwen2,mistral",
+                        help="parity.py's random models, or presets with real shapes "
+                             "(llama3-8b-shape, qwen2.5-7b-shape)")
     parser.add_argument("--dtypes", default="float32")
     parser.add_argument("--modes", default="default",
                         help="default and/or deterministic (engine.deterministic: the "
