@@ -40,7 +40,7 @@ from kvtier.engine.hf import load_model
 from kvtier.engine.request import GenerationRequest
 from kvtier.engine.service import EngineService
 from kvtier.machine import format_table, machine_info
-from parity import build_lm, prompts
+from parity import ARCHS, build_lm, prompts
 
 
 def _service(lm: Any, args: argparse.Namespace, dtype: str, mode: str, page_size: int,
@@ -105,7 +105,7 @@ def _drop(service: EngineService, tiers: tuple[str, ...]) -> None:
 def run_cell(args: argparse.Namespace, arch: str, dtype: str, mode: str,
              page_size: int) -> list[dict[str, Any]]:
     started = time.perf_counter()
-    if arch.endswith("-shape"):              # a preset with a real model's shapes
+    if arch not in ARCHS:                    # a preset (kvtier's tiny models, real shapes)
         lm = load_model(arch, device=args.device, dtype=dtype, seed=args.seed,
                         deterministic=mode == "deterministic")
     else:
@@ -191,8 +191,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--archs", default="llama,qwen2,mistral",
-                        help="parity.py's random models, or presets with real shapes "
-                             "(llama3-8b-shape, qwen2.5-7b-shape)")
+                        help="parity.py's random models, or kvtier presets (llama3-8b-shape, "
+                             "qwen2.5-7b-shape: random weights, real shapes)")
     parser.add_argument("--dtypes", default="float32")
     parser.add_argument("--modes", default="default",
                         help="default and/or deterministic (engine.deterministic: the "
