@@ -10,8 +10,12 @@ value and what is allowed::
 
 Store keys are the fields of kvtier's ``store`` config section (same names, checks and defaults);
 ``config`` names a kvtier YAML file read first, and ``KVTIER_*`` environment variables apply as
-everywhere else. Pure Python, no torch or vLLM imports; runs on the thread that builds the
-connector.
+everywhere else. ``model_fingerprint`` names the weights in every page key: left out, it is
+derived from the checkpoint vLLM loads (``kvtier.integrations.vllm.fingerprint``: config.json
+plus each weight file's name, size, header and sampled blocks, a few MiB read at start even for
+a 70B checkpoint), so a fine-tune written over its base never reads the base's pages; set it to
+make two checkpoints share pages on purpose, or where kvtier cannot read the weights. Pure
+Python, no torch or vLLM imports; runs on the thread that builds the connector.
 """
 
 from __future__ import annotations
@@ -53,7 +57,8 @@ class VllmConnectorOptions:
     """Everything the connector needs besides vLLM's own config."""
 
     config: KvtierConfig
-    #: Identifies the weights beyond vLLM's model name, so two fine-tunes never share pages.
+    #: Identifies the weights beyond vLLM's model name, so two fine-tunes never share pages;
+    #: empty: derived from the checkpoint (``fingerprint.model_fingerprint`` says how).
     model_fingerprint: str = ""
     #: kvtier page size taken from vLLM's block size (no ``page_size`` key given).
     page_size_from_block: bool = True

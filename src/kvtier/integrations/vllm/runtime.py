@@ -28,7 +28,6 @@ cache is built on that thread, so the IO threads it starts inherit its idle CPU 
 from __future__ import annotations
 
 import atexit
-import hashlib
 import logging
 import threading
 import time
@@ -39,6 +38,7 @@ from typing import Any
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.compat import transfer_groups
 from kvtier.integrations.vllm.events import ConnectorEvents
+from kvtier.integrations.vllm.fingerprint import model_fingerprint
 from kvtier.integrations.vllm.options import VllmConnectorOptions
 from kvtier.integrations.vllm.saver import Saver
 from kvtier.integrations.vllm.shared_pool import SharedPool
@@ -143,15 +143,6 @@ def _why_not_restorable(specs: list[Any]) -> str:
 def _kinds(specs: list[Any]) -> list[str]:
     return [type(s).__name__ + (f"(window={s.sliding_window})"
                                 if getattr(s, "sliding_window", None) else "") for s in specs]
-
-
-def model_fingerprint(vllm_config: Any, given: str) -> str:
-    """The user's fingerprint, else a digest of the model's config and revision."""
-    if given:
-        return given
-    model_config = vllm_config.model_config
-    text = model_config.hf_config.to_json_string() + str(model_config.revision)
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 class ConnectorRuntime:
