@@ -1,8 +1,9 @@
-"""The vLLM connector's staging pool when none is configured: sized to the model and the GPU.
+"""The vLLM connector's own defaults: the staging pool sized to the model and the GPU, and the
+small grid of its saves' GPU -> host copies.
 
-``options.parse_connector_config`` says whether the size was set anywhere (the connector key,
-a kvtier config file, a ``KVTIER_*`` variable); ``runtime.default_staging_pages`` sizes it.
-Pure Python: runs without vLLM.
+``options.parse_connector_config`` says whether a setting was made anywhere (the connector key,
+a kvtier config file, a ``KVTIER_*`` variable); ``runtime.default_staging_pages`` sizes the
+pool. Pure Python: runs without vLLM.
 """
 
 from __future__ import annotations
@@ -49,3 +50,14 @@ def test_sized_options_carry_the_new_pool_and_nothing_else() -> None:
     assert sized.config.cache.device_pages == 4096
     assert sized.config.host == options.config.host
     assert sized.model_fingerprint == options.model_fingerprint
+
+
+def test_saves_cross_the_bus_on_a_small_grid_unless_told_otherwise() -> None:
+    from kvtier.integrations.vllm.options import DEFAULT_STORE_PROGRAMS
+
+    assert parse_connector_config({}, 16, env={}).config.host.store_programs \
+        == DEFAULT_STORE_PROGRAMS
+    assert parse_connector_config({"store_programs": 0}, 16, env={}).config.host.store_programs \
+        == 0
+    env = {"KVTIER_HOST__STORE_PROGRAMS": "32"}
+    assert parse_connector_config({}, 16, env=env).config.host.store_programs == 32
