@@ -298,7 +298,8 @@ class Case:
         counts = stats["connector"]
         out = {k: v for k, v in counts.items()
                if k.startswith("hit_tokens_") or k in ("lookup_us", "lookup_lock_wait_us",
-                                                       "claimed_tokens")}
+                                                       "claimed_tokens", "load_layer_copies",
+                                                       "load_steps_whole")}
         copy = (stats.get("cache") or {}).get("copy") or {}
         if "load_bytes" in copy:
             out["copied_to_gpu_bytes"] = copy["load_bytes"]

@@ -203,6 +203,7 @@ class WorkerSide:
                 values = pool[layer, 1].flatten(0, 1)[move.rows]
                 self.layout.write(kv, move.slots, keys, values)
             move.layers.add(layer)
+            self.runtime.counts["load_layer_copies"] += 1
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -261,6 +262,8 @@ class WorkerSide:
     def load_all_layers(self) -> None:
         """Copy every layer of the step's loads now, before the forward: a full CUDA graph
         replays the forward without calling ``wait_for_layer_load``."""
+        if self._loads:
+            self.runtime.counts["load_steps_whole"] += 1
         for name in self.runtime.shape.layer_names:
             self.wait_for_layer_load(name)
 
