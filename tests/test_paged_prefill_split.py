@@ -1,6 +1,6 @@
 """The paged prefill kernels (under TRITON_INTERPRET=1 on the CPU, bit-exact on the GPU in
-``tests/test_parity_gpu.py``): the split launch gives the serial kernel's bits for queries
-over pasts on and off the chunk size, and the serial kernel's chunked sum still equals plain
+``tests/test_parity_gpu.py``): the split launch gives the flash kernel's bits for queries
+over pasts on and off the chunk size, and the flash kernel's chunked sum still equals plain
 attention; a query's result does not depend on the block it sits in."""
 
 from __future__ import annotations
