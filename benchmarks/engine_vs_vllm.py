@@ -106,7 +106,7 @@ def kernel_case(args: argparse.Namespace) -> dict[str, Any]:
     config = PRESETS[args.preset].config
     heads, kv_heads = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
     dim = int(config.get("head_dim") or config["hidden_size"] // heads)
-    dtype, device = torch.bfloat16, torch.device("cuda")
+    dtype, device = torch.bfloat16, torch.device(args.device)   # cpu: TRITON_INTERPRET=1
     scale = dim ** -0.5
     n_rep = heads // kv_heads
     gen = torch.Generator(device=device).manual_seed(0)
@@ -123,12 +123,17 @@ def kernel_case(args: argparse.Namespace) -> dict[str, Any]:
         rows = [(0, off, min(per, count - off), start + off) for off in range(0, count, per)]
         return torch.as_tensor(rows, dtype=torch.int32, device=device)
 
-    def paged(q: Any, k: Any, v: Any, table: Any, start: int, out: Any) -> Any:
-        t = tiles(start, q.shape[0])
-        return paged_triton.paged_attention(q, k, v, table, t, scale, int(t[:, 2].max()), out)
+    def paged(q: Any, k: Any, v: Any, table: Any, start: int, out: Any, t: Any = None) -> Any:
+        t = tiles(start, q.shape[0]) if t is None else t   # built outside timed loops
+        return paged_triton.paged_attention(q, k, v, table, t, scale,
+                                            paged_triton.tokens_per_tile(n_rep), out)
 
     def timed(fn: Any, iters: int) -> float:
         fn()
+        if device.type != "cuda":   # a dry run of the script on the CPU
+            started = time.perf_counter()
+            fn()
+            return (time.perf_counter() - started) * 1e3
         torch.cuda.synchronize()
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
@@ -158,7 +163,8 @@ def kernel_case(args: argparse.Namespace) -> dict[str, Any]:
         iters = max(3, min(50, (1 << 27) // (length * length // 64 + 1)))
         k, v, table = pages_for(length, page)
         out = torch.empty_like(q)
-        paged_ms = timed(lambda: paged(q, k, v, table, 0, out), iters)
+        whole = tiles(0, length)
+        paged_ms = timed(lambda: paged(q, k, v, table, 0, out, whole), iters)
         slots = (table[0].long()[:, None] * page + torch.arange(page, device=device))
         slots = slots.reshape(-1)[:length]
         k4 = k.reshape(-1, kv_heads, dim)[slots].transpose(0, 1)[None]
@@ -174,10 +180,11 @@ def kernel_case(args: argparse.Namespace) -> dict[str, Any]:
                "max_abs_diff_vs_sdpa": err}
         if length >= 16384 and page == 64:   # the engine's 8192-token prefill steps
             step = 8192
+            steps = [(s, tiles(s, min(step, length - s))) for s in range(0, length, step)]
 
             def stepped() -> None:
-                for s in range(0, length, step):
-                    paged(q[s:s + step], k, v, table, s, out[s:s + step])
+                for s, t in steps:
+                    paged(q[s:s + step], k, v, table, s, out[s:s + step], t)
             chunk_ms = timed(stepped, max(3, iters // 2))
             row["in_8192_steps_ms"] = round(chunk_ms, 3)
             row["in_8192_steps_tflops"] = causal_tflops(length, chunk_ms)
@@ -189,21 +196,22 @@ def kernel_case(args: argparse.Namespace) -> dict[str, Any]:
         for page in (64, 16):
             rows.append(measure(q, page))
             log(f"kernel {json.dumps(rows[-1])}")
-            torch.cuda.empty_cache()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     tuned = getattr(paged_triton, "_tuned_kernel", None)
     best = getattr(tuned, "best_config", None)
 
     # the numerics contract on the GPU: whole, stepped, suffix (flash and split launch)
-    total, page = 8192 + 777, 64
+    total, page = min(8192, max(args.lengths)) + 777, 64
     q = torch.randn((total, heads, dim), generator=gen, device=device, dtype=dtype)
     k, v, table = pages_for(total, page)
     whole = paged(q, k, v, table, 0, torch.full_like(q, float("nan")))
     bitwise: dict[str, bool] = {}
-    for size in (8192, 2048, 1000, 333):
+    for size in (8192, 2048, 1000, 333, 97):
         parts = [paged(q[s:s + size], k, v, table, s, torch.full_like(q[s:s + size], float("nan")))
                  for s in range(0, total, size)]
         bitwise[f"steps_of_{size}"] = bool(torch.equal(torch.cat(parts), whole))
-    for past in (8192, total - 100, total - 32, total - 7):
+    for past in sorted({p for p in (8192, total - 100, total - 32, total - 7) if 0 < p < total}):
         suffix = paged(q[past:], k, v, table, past, torch.full_like(q[past:], float("nan")))
         bitwise[f"flash_suffix_after_{past}"] = bool(torch.equal(suffix, whole[past:]))
         if total - past <= 32:
@@ -263,9 +271,11 @@ def kvtier_case(args: argparse.Namespace) -> dict[str, Any]:
         ttft.setdefault(str(row["prefix_tokens"]), {})[f"{key}_ms"] = round(row["ttft_s"] * 1e3, 2)
         if row["tier"] != "recompute":
             ttft[str(row["prefix_tokens"])][f"{key}_cached_by_tier"] = row["cached_by_tier"]
+            ttft[str(row["prefix_tokens"])][f"{key}_cached"] = [row["cached_tokens"]]
     res["ttft"] = ttft
     emit("PARTIAL", **res)
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
     service = _service(lm, args.device, args.dtype, max(args.levels), host_pool,
                        device_fraction=args.kvtier_device_fraction,
@@ -304,8 +314,9 @@ def kvtier_case(args: argparse.Namespace) -> dict[str, Any]:
 def vllm_args(args: argparse.Namespace, case: str) -> argparse.Namespace:
     """The settings ``vllm_gpu.Case`` reads."""
     return argparse.Namespace(
-        case=case, mode="graphs", model_dir=args.model_dir, dtype="bfloat16",
-        max_model_len=max(args.lengths) + 256, block_size=16, gpu_mem=args.vllm_gpu_mem,
+        case=case, mode="graphs", model_dir=args.model_dir, dtype=args.dtype,
+        max_model_len=max(args.lengths) + 256, block_size=args.vllm_block_size,
+        gpu_mem=args.vllm_gpu_mem,
         max_num_seqs=max(args.levels), offload_gib=args.offload_gib, host_gib=int(args.offload_gib),
         staging_pages=0, lengths=args.lengths, check_lengths=[], repeats=args.repeats,
         unseen=1, batch=0)
@@ -455,13 +466,16 @@ def table(args: argparse.Namespace, cases: dict[str, dict[str, Any]]) -> tuple[s
             kv.get("itl", {}).get(str(batch), {}).get("itl_ms"),
             main.get("itl", {}).get(str(batch), {}).get("itl_ms"))
     verdict = {True: "met", False: "MISSED", None: "-"}
-    text = format_table(["metric", "unit", "kvtier", "vLLM", "kvtier/vLLM", "goal", "verdict"],
-                        [[r["metric"], r["unit"], _cell(r["kvtier"]), _cell(r["vllm"]),
+    engines = [c for c in ("kvtier", "vllm_main", "vllm_native") if c in cases]
+    headers = ["metric", "unit", "kvtier", "vLLM", "kvtier/vLLM", "goal", "verdict"]
+    text = "" if not engines else format_table(
+        headers, [[r["metric"], r["unit"], _cell(r["kvtier"]), _cell(r["vllm"]),
                           _cell(r["kvtier_over_vllm"]), r["goal"], verdict[r["met"]]]
                          for r in rows])
     kernel = cases.get("kernel", {})
     if kernel.get("rows"):
-        text += "\n\npaged prefill kernel vs sdpa (one layer, causal, bf16, " \
+        text += "\n\n" if text else ""
+        text += "paged prefill kernel vs sdpa (one layer, causal, bf16, " \
                 f"{kernel.get('shape')}; autotune: {kernel.get('autotune_best')}):\n"
         text += format_table(
             ["tokens", "page", "paged ms", "paged TFLOP/s", "sdpa ms", "sdpa TFLOP/s",
@@ -472,7 +486,21 @@ def table(args: argparse.Namespace, cases: dict[str, dict[str, Any]]) -> tuple[s
              for r in kernel["rows"]])
         text += f"\nbit-identical whole / stepped / suffix: {kernel.get('bitwise_all')} " \
                 f"{kernel.get('bitwise')}"
+    for warning in hit_warnings(args, cases):
+        text += f"\nWARNING: {warning}"
     return text, rows
+
+
+def hit_warnings(args: argparse.Namespace, cases: dict[str, dict[str, Any]]) -> list[str]:
+    """Hits that did not come from the cache they were meant to (their TTFT is no hit's)."""
+    out = []
+    for case, field in (("kvtier", "device_hit"), ("kvtier", "host_hit"),
+                        ("vllm_main", "device_hit"), ("vllm_native", "host_hit")):
+        for length in args.lengths:
+            cached = cases.get(case, {}).get("ttft", {}).get(str(length), {}).get(f"{field}_cached")
+            if cached and min(c or 0 for c in cached) < length - 64:
+                out.append(f"{case} {field} at {length} tokens reused only {cached} tokens")
+    return out
 
 
 def _cell(value: Any) -> Any:
@@ -559,6 +587,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--itl-repeats", type=int, default=2)
     p.add_argument("--offload-gib", type=float, default=12.0,
                    help="vLLM's native CPU offloading and kvtier's host tier")
+    p.add_argument("--vllm-block-size", type=int, default=16,
+                   help="vLLM's KV block (16 on CUDA; its CPU build needs a multiple of 32)")
     p.add_argument("--vllm-gpu-mem", type=float, default=0.85,
                    help="vLLM gpu_memory_utilization (weights + activations + KV)")
     p.add_argument("--kvtier-device-fraction", type=float, default=0.75,

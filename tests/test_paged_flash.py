@@ -97,16 +97,19 @@ def test_the_16_bit_path_equals_plain_attention():
                                _reference(query, k, v, table, start), rtol=5e-3, atol=5e-3)
 
 
-@pytest.mark.parametrize("page", [1, 16, 64])
-def test_whole_chunked_and_suffix_give_the_same_bits(page):
+@pytest.mark.parametrize("page,dtype", [(1, torch.float32), (16, torch.float32),
+                                        (64, torch.float32), (64, torch.float16)])
+def test_whole_chunked_and_suffix_give_the_same_bits(page, dtype):
     """A 600-token prompt (two chunk boundaries, steps starting mid-block and mid-chunk) whole,
     in the step sizes a scheduler may pick, and its last tokens as a hit's suffix through the
     flash kernel and through the split launch: all bit-identical."""
     total, kv_heads, n_rep = 600, 2, 4
-    k, v, table = _pool(total, page, kv_heads, seed=page)
-    query = _query(total, kv_heads * n_rep, seed=page + 1)
+    k, v, table = _pool(total, page, kv_heads, dtype, seed=page)
+    query = _query(total, kv_heads * n_rep, dtype, seed=page + 1)
     whole = _flash(query, k, v, table, 0)
-    torch.testing.assert_close(whole, _reference(query, k, v, table, 0), rtol=1e-5, atol=1e-5)
+    tol = 1e-5 if dtype == torch.float32 else 5e-3
+    torch.testing.assert_close(whole.float(), _reference(query, k, v, table, 0), rtol=tol,
+                               atol=tol)
     for sizes in ([256], [100, 37], [33, 64, 1, 200]):
         assert torch.equal(_steps(query, k, v, table, sizes), whole), sizes
     for past in (CHUNK * 2, 513, 577):    # a hit's suffix after a past on and off the chunks
@@ -150,6 +153,13 @@ def test_a_ragged_step_of_prompts_chunks_and_decodes():
                                    atol=1e-5)
         if len(row.tokens) > 1:
             assert torch.equal(got, _flash(q, k, v, table, row.start))
+
+
+def test_fp32_dots_run_in_ieee_precision_and_pages_of_whole_blocks_take_one_lookup():
+    assert paged_tiles.precision_for(torch.float32) == "ieee"        # no TF32
+    assert paged_tiles.precision_for(torch.bfloat16) != "ieee"
+    assert [paged_tiles.page_run(p) for p in (1, 16, 64, 128, 96)] == [False, False, True,
+                                                                        True, False]
 
 
 def test_tiles_that_do_not_fit_are_refused():

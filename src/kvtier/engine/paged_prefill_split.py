@@ -126,7 +126,8 @@ def split_prefill(query: torch.Tensor, key_pages: torch.Tensor, value_pages: tor
         query.stride(0), query.stride(1), key_pages.stride(1), key_pages.stride(2),
         table.shape[1], n_rep, key_pages.shape[1], scaling * 1.4426950408889634, n_chunks,
         HEAD_DIM=dim, BLOCK_R=MAX_ROWS, BLOCK_N=BLOCK_N, CHUNK=CHUNK_TOKENS,
-        PAGE_RUN=page_run(key_pages.shape[1]), PRECISION=precision_for(query.dtype))
+        PAGE_RUN=page_run(key_pages.shape[1]), PRECISION=precision_for(query.dtype),
+        num_warps=8)   # a 128-row tile's fp32 accumulator in registers (as the flash kernel)
     merge_prefill_kernel[grid](maxima, sums, outs, out, blocks, n_rep, n_chunks,
                                scaling * 1.4426950408889634, HEAD_DIM=dim, BLOCK_R=MAX_ROWS,
                                CHUNK=CHUNK_TOKENS)

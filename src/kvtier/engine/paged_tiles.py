@@ -37,8 +37,8 @@ BLOCK_N = 64
 #: block, and costs the flash kernel one fold (two multiply-adds per output) per 4 blocks.
 CHUNK_TOKENS = 256
 #: Query rows (tokens x query heads per KV head) a tile holds: the flash kernel's BLOCK_M.
-#: 128 rows (32 tokens of an 8-query-head group of 4) is the tile flash attention runs on
-#: Hopper for head_dim 128; the split launch and the captured suffix steps use the same.
+#: 128 rows (32 tokens x a group of 4 query heads, as in 8B models) is the tile flash attention
+#: runs on Hopper for head_dim 128; the split launch and the captured suffix steps use the same.
 MAX_ROWS = 128
 
 

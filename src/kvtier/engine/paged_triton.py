@@ -71,7 +71,9 @@ def flash_prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, blocks_ptr,
     """One tile (row of ``blocks``: sequence, first query, queries, first position) and one
     KV head: unmasked blocks, then the diagonal's masked ones, folding every ``CHUNK`` keys."""
     PER_CHUNK: tl.constexpr = CHUNK // BLOCK_N
-    tile = tl.program_id(0)
+    # the last tiles first: a causal prompt's later tiles read the most keys, and starting them
+    # first keeps short ones for the end of the launch (no long tail on a few SMs)
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.load(blocks_ptr + tile * 4)
     q_first = tl.load(blocks_ptr + tile * 4 + 1)
