@@ -198,34 +198,40 @@ def kernel_case(args: argparse.Namespace) -> dict[str, Any]:
             log(f"kernel {json.dumps(rows[-1])}")
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    tuned = getattr(paged_triton, "_tuned_kernel", None)
-    best = getattr(tuned, "best_config", None)
 
     # the numerics contract on the GPU: whole, stepped, suffix (flash and split launch)
-    total, page = min(8192, max(args.lengths)) + 777, 64
-    q = torch.randn((total, heads, dim), generator=gen, device=device, dtype=dtype)
-    k, v, table = pages_for(total, page)
-    whole = paged(q, k, v, table, 0, torch.full_like(q, float("nan")))
     bitwise: dict[str, bool] = {}
-    for size in (8192, 2048, 1000, 333, 97):
-        parts = [paged(q[s:s + size], k, v, table, s, torch.full_like(q[s:s + size], float("nan")))
-                 for s in range(0, total, size)]
-        bitwise[f"steps_of_{size}"] = bool(torch.equal(torch.cat(parts), whole))
-    for past in sorted({p for p in (8192, total - 100, total - 32, total - 7) if 0 < p < total}):
-        suffix = paged(q[past:], k, v, table, past, torch.full_like(q[past:], float("nan")))
-        bitwise[f"flash_suffix_after_{past}"] = bool(torch.equal(suffix, whole[past:]))
-        if total - past <= 32:
-            t = tiles(past, total - past)
-            parts_buf = paged_prefill_split.partials(t.shape[0], kv_heads,
-                                                     -(-total // paged_triton.CHUNK_TOKENS),
-                                                     dim, device)
-            split = paged_prefill_split.split_prefill(
-                q[past:], k, v, table, t, scale, torch.full_like(q[past:], float("nan")),
-                parts_buf)
-            bitwise[f"split_suffix_after_{past}"] = bool(torch.equal(split, whole[past:]))
+    for check_dtype, extra in ((torch.bfloat16, 8192), (torch.float32, 2048)):
+        label = "bf16" if check_dtype == torch.bfloat16 else "fp32"
+        total, page = min(extra, max(args.lengths)) + 777, 64
+        q = torch.randn((total, heads, dim), generator=gen, device=device).to(check_dtype)
+        k, v, table = (t.to(check_dtype) if t.is_floating_point() else t
+                       for t in pages_for(total, page))
+        whole = paged(q, k, v, table, 0, torch.full_like(q, float("nan")))
+        for size in (8192, 2048, 1000, 333, 97):
+            parts = [paged(q[s:s + size], k, v, table, s,
+                           torch.full_like(q[s:s + size], float("nan")))
+                     for s in range(0, total, size)]
+            bitwise[f"{label}_steps_of_{size}"] = bool(torch.equal(torch.cat(parts), whole))
+        for past in sorted({p for p in (8192, total - 100, total - 32, total - 7)
+                            if 0 < p < total}):
+            suffix = paged(q[past:], k, v, table, past, torch.full_like(q[past:], float("nan")))
+            bitwise[f"{label}_flash_suffix_after_{past}"] = bool(torch.equal(suffix,
+                                                                             whole[past:]))
+            if total - past <= 32:
+                t = tiles(past, total - past)
+                parts_buf = paged_prefill_split.partials(
+                    t.shape[0], kv_heads, -(-total // paged_triton.CHUNK_TOKENS), dim, device)
+                split = paged_prefill_split.split_prefill(
+                    q[past:], k, v, table, t, scale, torch.full_like(q[past:], float("nan")),
+                    parts_buf)
+                bitwise[f"{label}_split_suffix_after_{past}"] = bool(torch.equal(split,
+                                                                                 whole[past:]))
     log(f"kernel bitwise {bitwise}")
+    tuned = getattr(getattr(paged_triton, "_tuned_kernel", None), "cache", {}) or {}
+    best = {str(key): str(config) for key, config in tuned.items()} or None
     return {"rows": rows, "bitwise": bitwise, "bitwise_all": all(bitwise.values()),
-            "autotune_best": str(best) if best is not None else None,
+            "autotune_best": best,
             "shape": {"heads": heads, "kv_heads": kv_heads, "head_dim": dim, "dtype": "bf16"}}
 
 
