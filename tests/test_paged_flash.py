@@ -17,7 +17,10 @@ paged_triton = pytest.importorskip("kvtier.engine.paged_triton")
 from kvtier.engine import paged_prefill_split, paged_tiles  # noqa: E402
 
 DIM, SCALE = 16, 0.25
-CHUNK, BLOCK = paged_tiles.CHUNK_TOKENS, paged_tiles.BLOCK_N
+BLOCK = paged_tiles.BLOCK_N
+#: Keys a chunk sums from scratch in these tests: two blocks, so that a few hundred keys cross
+#: many chunk boundaries (the engine's 1024 in ``test_the_engines_chunk_size``).
+CHUNK = 2 * BLOCK
 
 
 def _pool(tokens: int, page: int, kv_heads: int, dtype=torch.float32, seed: int = 0):
@@ -41,21 +44,32 @@ def _tiles(start: int, count: int, n_rep: int, q_first: int = 0, seq: int = 0) -
     return torch.as_tensor(rows, dtype=torch.int32)
 
 
-def _flash(query, k, v, table, start):
+def _flash(query, k, v, table, start, chunk=CHUNK):
     """``query`` (the tokens at positions ``start ..``) through the flash kernel."""
     n_rep = query.shape[1] // k.shape[2]
     tiles = _tiles(start, query.shape[0], n_rep)
     out = torch.full_like(query, float("nan"))
     return paged_triton.paged_attention(query, k, v, table, tiles, SCALE, int(tiles[:, 2].max()),
-                                        out)
+                                        out, chunk=chunk)
 
 
-def _steps(query, k, v, table, sizes):
+def _split(query, k, v, table, start, chunk=CHUNK):
+    """The same through the split launch (one program per chunk, folded in order)."""
+    n_rep = query.shape[1] // k.shape[2]
+    tiles = _tiles(start, query.shape[0], n_rep)
+    parts = paged_prefill_split.partials(tiles.shape[0], k.shape[2],
+                                         -(-(start + query.shape[0]) // chunk), DIM, query.device)
+    return paged_prefill_split.split_prefill(query, k, v, table, tiles, SCALE,
+                                             torch.full_like(query, float("nan")), parts,
+                                             chunk=chunk)
+
+
+def _steps(query, k, v, table, sizes, chunk=CHUNK):
     """The prompt computed in steps of ``sizes`` tokens (cycled), each over the past."""
     outs, start, i = [], 0, 0
     while start < query.shape[0]:
         count = min(sizes[i % len(sizes)], query.shape[0] - start)
-        outs.append(_flash(query[start:start + count], k, v, table, start))
+        outs.append(_flash(query[start:start + count], k, v, table, start, chunk))
         start, i = start + count, i + 1
     return torch.cat(outs)
 
@@ -100,9 +114,9 @@ def test_the_16_bit_path_equals_plain_attention():
 @pytest.mark.parametrize("page,dtype", [(1, torch.float32), (16, torch.float32),
                                         (64, torch.float32), (64, torch.float16)])
 def test_whole_chunked_and_suffix_give_the_same_bits(page, dtype):
-    """A 600-token prompt (two chunk boundaries, steps starting mid-block and mid-chunk) whole,
-    in the step sizes a scheduler may pick, and its last tokens as a hit's suffix through the
-    flash kernel and through the split launch: all bit-identical."""
+    """A 600-token prompt (four chunk boundaries, steps starting mid-block and mid-chunk)
+    whole, in the step sizes a scheduler may pick, and its last tokens as a hit's suffix
+    through the flash kernel and through the split launch: all bit-identical."""
     total, kv_heads, n_rep = 600, 2, 4
     k, v, table = _pool(total, page, kv_heads, dtype, seed=page)
     query = _query(total, kv_heads * n_rep, dtype, seed=page + 1)
@@ -112,16 +126,22 @@ def test_whole_chunked_and_suffix_give_the_same_bits(page, dtype):
                                atol=tol)
     for sizes in ([256], [100, 37], [33, 64, 1, 200]):
         assert torch.equal(_steps(query, k, v, table, sizes), whole), sizes
-    for past in (CHUNK * 2, 513, 577):    # a hit's suffix after a past on and off the chunks
-        suffix = _flash(query[past:], k, v, table, past)
-        assert torch.equal(suffix, whole[past:]), past
-        tiles = _tiles(past, total - past, n_rep)
-        parts = paged_prefill_split.partials(tiles.shape[0], kv_heads, -(-total // CHUNK), DIM,
-                                             query.device)
-        split = paged_prefill_split.split_prefill(query[past:], k, v, table, tiles, SCALE,
-                                                  torch.full_like(query[past:], float("nan")),
-                                                  parts)
-        assert torch.equal(split, whole[past:]), past
+    for past in (CHUNK * 4, 513, 577):    # a hit's suffix after a past on and off the chunks
+        assert torch.equal(_flash(query[past:], k, v, table, past), whole[past:]), past
+        assert torch.equal(_split(query[past:], k, v, table, past), whole[past:]), past
+
+
+def test_the_engines_chunk_size():
+    """The same with the engine's own ``CHUNK_TOKENS`` across one boundary."""
+    chunk = paged_tiles.CHUNK_TOKENS
+    total = chunk + 60
+    k, v, table = _pool(total, 64, 1, seed=9)
+    query = _query(total, 4, seed=10)
+    whole = _flash(query, k, v, table, 0, chunk)
+    torch.testing.assert_close(whole, _reference(query, k, v, table, 0), rtol=1e-5, atol=1e-5)
+    assert torch.equal(_steps(query, k, v, table, [700, 90], chunk), whole)
+    past = total - 20
+    assert torch.equal(_split(query[past:], k, v, table, past, chunk), whole[past:])
 
 
 def test_a_ragged_step_of_prompts_chunks_and_decodes():
@@ -152,7 +172,7 @@ def test_a_ragged_step_of_prompts_chunks_and_decodes():
         torch.testing.assert_close(got, _reference(q, k, v, table, row.start), rtol=1e-5,
                                    atol=1e-5)
         if len(row.tokens) > 1:
-            assert torch.equal(got, _flash(q, k, v, table, row.start))
+            assert torch.equal(got, _flash(q, k, v, table, row.start, paged_tiles.CHUNK_TOKENS))
 
 
 def test_fp32_dots_run_in_ieee_precision_and_pages_of_whole_blocks_take_one_lookup():
@@ -162,9 +182,11 @@ def test_fp32_dots_run_in_ieee_precision_and_pages_of_whole_blocks_take_one_look
                                                                         True, False]
 
 
-def test_tiles_that_do_not_fit_are_refused():
+def test_tiles_and_chunks_that_do_not_fit_are_refused():
     k, v, table = _pool(40, 16, 2)
     query = _query(40, 8)
     tiles = torch.as_tensor([(0, 0, 40, 0)], dtype=torch.int32)
     with pytest.raises(ValueError, match="at most"):
         paged_triton.paged_attention(query, k, v, table, tiles, SCALE, 40)
+    with pytest.raises(ValueError, match="multiple"):
+        paged_triton.paged_attention(query, k, v, table, tiles[:, :], SCALE, 32, chunk=100)

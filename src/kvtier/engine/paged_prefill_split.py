@@ -27,6 +27,7 @@ from kvtier.engine.paged_tiles import (
     BLOCK_N,
     CHUNK_TOKENS,
     MAX_ROWS,
+    check_chunk,
     chunk_softmax,
     merge_chunk,
     page_run,
@@ -108,14 +109,16 @@ def partials(blocks: int, kv_heads: int, chunks: int, head_dim: int,
 
 def split_prefill(query: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor,
                   table: torch.Tensor, blocks: torch.Tensor, scaling: float, out: torch.Tensor,
-                  parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """The flash kernel's result for ``blocks`` (as ``paged_triton.paged_attention``), one
-    program per chunk; ``parts`` from ``partials`` with at least ``blocks`` rows and as many
-    chunks as the longest block's keys need."""
+                  parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor], *,
+                  chunk: int = CHUNK_TOKENS) -> torch.Tensor:
+    """The flash kernel's result for ``blocks`` (as ``paged_triton.paged_attention`` with the
+    same ``chunk``), one program per chunk; ``parts`` from ``partials`` with at least
+    ``blocks`` rows and as many chunks as the longest block's keys need."""
     heads, dim = query.shape[1], query.shape[2]
     kv_heads = key_pages.shape[2]
     n_rep = heads // kv_heads
     maxima, sums, outs = parts
+    check_chunk(chunk)
     if n_rep > MAX_ROWS or blocks.shape[0] > maxima.shape[0] or maxima.shape[1] != kv_heads:
         raise ValueError(f"partials {tuple(maxima.shape)} do not fit {blocks.shape[0]} blocks "
                          f"of {kv_heads} KV heads")
@@ -125,10 +128,10 @@ def split_prefill(query: torch.Tensor, key_pages: torch.Tensor, value_pages: tor
         query, key_pages, value_pages, maxima, sums, outs, table, blocks,
         query.stride(0), query.stride(1), key_pages.stride(1), key_pages.stride(2),
         table.shape[1], n_rep, key_pages.shape[1], scaling * 1.4426950408889634, n_chunks,
-        HEAD_DIM=dim, BLOCK_R=MAX_ROWS, BLOCK_N=BLOCK_N, CHUNK=CHUNK_TOKENS,
+        HEAD_DIM=dim, BLOCK_R=MAX_ROWS, BLOCK_N=BLOCK_N, CHUNK=chunk,
         PAGE_RUN=page_run(key_pages.shape[1]), PRECISION=precision_for(query.dtype),
         num_warps=8)   # a 128-row tile's fp32 accumulator in registers (as the flash kernel)
     merge_prefill_kernel[grid](maxima, sums, outs, out, blocks, n_rep, n_chunks,
                                scaling * 1.4426950408889634, HEAD_DIM=dim, BLOCK_R=MAX_ROWS,
-                               CHUNK=CHUNK_TOKENS)
+                               CHUNK=chunk)
     return out

@@ -33,9 +33,11 @@ from kvtier.engine.rounding import dot_acc, dot_at
 #: software pipelining in an H100's 228 KiB of shared memory beside 128 query rows.
 BLOCK_N = 64
 #: Keys per chunk of the online softmax (a multiple of ``BLOCK_N``): the unit the split
-#: launch gives one program; 256 splits a 32k past into 128 programs per KV head and query
-#: block, and costs the flash kernel one fold (two multiply-adds per output) per 4 blocks.
-CHUNK_TOKENS = 256
+#: launch gives one program, and the flash kernel's inner loop (its software pipeline
+#: restarts at every chunk: each restart waits one block's load with nothing to overlap).
+#: 1024 keys (16 blocks) keep that wait a few percent of a chunk's products, and still cut a
+#: 32k past into 32 split programs per KV head (256 for an 8-KV-head model on 132 SMs).
+CHUNK_TOKENS = 1024
 #: Query rows (tokens x query heads per KV head) a tile holds: the flash kernel's BLOCK_M.
 #: 128 rows (32 tokens x a group of 4 query heads, as in 8B models) is the tile flash attention
 #: runs on Hopper for head_dim 128; the split launch and the captured suffix steps use the same.
@@ -125,6 +127,12 @@ def precision_for(dtype: object) -> str:
     import torch
 
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def check_chunk(chunk: int) -> None:
+    """Refuse a chunk that is not a positive multiple of ``BLOCK_N``."""
+    if chunk <= 0 or chunk % BLOCK_N:
+        raise ValueError(f"a chunk must be a positive multiple of {BLOCK_N} keys, got {chunk}")
 
 
 def page_run(page_size: int) -> bool:

@@ -43,6 +43,7 @@ from kvtier.engine.paged_tiles import (
     CHUNK_TOKENS,
     MAX_ROWS,
     attend_block,
+    check_chunk,
     load_block,
     merge_chunk,
     page_run,
@@ -50,27 +51,37 @@ from kvtier.engine.paged_tiles import (
 )
 from kvtier.engine.rounding import INTERPRET
 
-__all__ = ["BLOCK_N", "CHUNK_TOKENS", "CONFIGS", "MAX_ROWS", "TritonBatch", "paged_attention"]
+__all__ = ["BLOCK_N", "CHUNK_TOKENS", "CONFIGS", "MAX_ROWS", "TritonBatch", "paged_attention",
+           "tokens_per_tile"]
 
-#: The autotune's candidates (``num_warps``, ``num_stages``). A 128-row tile with head_dim 128
-#: holds two fp32 accumulators (the chunk's and the running one, 64 KiB each): 8 warps keep
-#: them in registers (64 per thread each), 4 warps suit head_dim <= 64. Two or three stages
-#: of K/V blocks (32 KiB each in bf16 at head_dim 128) fit shared memory beside the query
-#: tile; fp32 tiles double that, where the 3-stage configs fail to fit and drop out. Which
-#: wins depends on the GPU's registers and shared memory, so it is measured, once per
-#: (head_dim, dtype) and process, on the first launch.
+#: The autotune's candidates (``num_warps``, ``num_stages``). A 128-row tile holds two fp32
+#: accumulators (the chunk's and the running one): at head_dim 128 that is 128 registers a
+#: thread on 8 warps, and ptxas (sm_90a) reports 255 registers with a few bytes of spills,
+#: while 4 warps spill ~2.8 KB a thread; so 4 warps are tried only up to head_dim 64
+#: (``_prune``). Two or three stages of K/V blocks (32 KiB a stage in bf16 at head_dim 128)
+#: fit shared memory beside the query tile; fp32 tiles double that, where three stages fail
+#: to fit and drop out. Which depth wins depends on the GPU, so it is measured once per
+#: (head_dim, dtype) and process, on the first launch; it changes no sum's order.
 CONFIGS = [triton.Config({}, num_warps=w, num_stages=s) for w, s in ((8, 2), (8, 3), (4, 2),
                                                                        (4, 3))]
+
+
+def _prune(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
+    """The configs worth timing for this head_dim (see ``CONFIGS``)."""
+    dim = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM", 128))
+    kept = [c for c in configs if c.num_warps == 8 or dim <= 64]
+    return kept or configs
 
 
 @triton.jit(do_not_specialize=["max_pages"])
 def flash_prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, blocks_ptr,
                          sq_t, sq_h, sk_tok, sk_h, max_pages, n_rep, page_size, scale_log2,
                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         CHUNK: tl.constexpr, PAGE_RUN: tl.constexpr, PRECISION: tl.constexpr):
+                         CHUNK: tl.constexpr, PER_CHUNK: tl.constexpr,
+                         PAGE_RUN: tl.constexpr, PRECISION: tl.constexpr):
     """One tile (row of ``blocks``: sequence, first query, queries, first position) and one
-    KV head: unmasked blocks, then the diagonal's masked ones, folding every ``CHUNK`` keys."""
-    PER_CHUNK: tl.constexpr = CHUNK // BLOCK_N
+    KV head: chunks of ``CHUNK`` keys (``PER_CHUNK`` blocks) from position 0, each summed from
+    scratch and folded in order; masks only in the chunks the diagonal crosses."""
     # the last tiles first: a causal prompt's later tiles read the most keys, and starting them
     # first keeps short ones for the end of the launch (no long tail on a few SMs)
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -93,32 +104,36 @@ def flash_prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, blocks_ptr,
     m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_run = tl.zeros([BLOCK_M], tl.float32)
     acc_run = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    m_c = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_c = tl.zeros([BLOCK_M], tl.float32)
-    acc_c = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for j in range(0, n_full):
-        k, v = load_block(k_ptr, v_ptr, table_ptr, seq, max_pages, page_size, sk_tok, sk_h,
-                          kv_head, j * BLOCK_N, n_keys, HEAD_DIM, BLOCK_N, PAGE_RUN, False)
-        m_c, l_c, acc_c = attend_block(q, k, v, m_c, l_c, acc_c, j * BLOCK_N, n_keys,
-                                       last_visible, scale_log2, BLOCK_N, False, PRECISION)
-        if j % PER_CHUNK == PER_CHUNK - 1:
-            m_run, l_run, acc_run = merge_chunk(m_run, l_run, acc_run, m_c, l_c, acc_c,
-                                                scale_log2)
-            m_c = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            l_c = tl.zeros([BLOCK_M], tl.float32)
-            acc_c = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for j in range(n_full, n_blocks):
-        k, v = load_block(k_ptr, v_ptr, table_ptr, seq, max_pages, page_size, sk_tok, sk_h,
-                          kv_head, j * BLOCK_N, n_keys, HEAD_DIM, BLOCK_N, PAGE_RUN, True)
-        m_c, l_c, acc_c = attend_block(q, k, v, m_c, l_c, acc_c, j * BLOCK_N, n_keys,
-                                       last_visible, scale_log2, BLOCK_N, True, PRECISION)
-        if j % PER_CHUNK == PER_CHUNK - 1:
-            m_run, l_run, acc_run = merge_chunk(m_run, l_run, acc_run, m_c, l_c, acc_c,
-                                                scale_log2)
-            m_c = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            l_c = tl.zeros([BLOCK_M], tl.float32)
-            acc_c = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    if n_blocks % PER_CHUNK != 0:   # the last chunk, cut short by the tile's last query
+    # Chunks every row sees whole: a clean inner loop of unmasked blocks (software-pipelined,
+    # the tensor-core products asynchronous), the fold between inner loops. A fold inside the
+    # block loop would serialize the products (the chunk's accumulator read between them).
+    for c in range(0, n_full // PER_CHUNK):
+        m_c = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_c = tl.zeros([BLOCK_M], tl.float32)
+        acc_c = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        for start in range(c * CHUNK, c * CHUNK + CHUNK, BLOCK_N):
+            k, v = load_block(k_ptr, v_ptr, table_ptr, seq, max_pages, page_size, sk_tok, sk_h,
+                              kv_head, start, n_keys, HEAD_DIM, BLOCK_N, PAGE_RUN, False)
+            m_c, l_c, acc_c = attend_block(q, k, v, m_c, l_c, acc_c, start, n_keys,
+                                           last_visible, scale_log2, BLOCK_N, False, PRECISION)
+        m_run, l_run, acc_run = merge_chunk(m_run, l_run, acc_run, m_c, l_c, acc_c, scale_log2)
+    # The chunk(s) the causal diagonal crosses: unmasked blocks first, then the masked ones.
+    for c in range(n_full // PER_CHUNK, tl.cdiv(n_blocks, PER_CHUNK)):
+        m_c = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_c = tl.zeros([BLOCK_M], tl.float32)
+        acc_c = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        chunk_end = tl.minimum(c * CHUNK + CHUNK, n_keys)
+        full_end = tl.minimum(chunk_end, n_full * BLOCK_N)
+        for start in range(c * CHUNK, full_end, BLOCK_N):
+            k, v = load_block(k_ptr, v_ptr, table_ptr, seq, max_pages, page_size, sk_tok, sk_h,
+                              kv_head, start, n_keys, HEAD_DIM, BLOCK_N, PAGE_RUN, False)
+            m_c, l_c, acc_c = attend_block(q, k, v, m_c, l_c, acc_c, start, n_keys,
+                                           last_visible, scale_log2, BLOCK_N, False, PRECISION)
+        for start in range(tl.maximum(full_end, c * CHUNK), chunk_end, BLOCK_N):
+            k, v = load_block(k_ptr, v_ptr, table_ptr, seq, max_pages, page_size, sk_tok, sk_h,
+                              kv_head, start, n_keys, HEAD_DIM, BLOCK_N, PAGE_RUN, True)
+            m_c, l_c, acc_c = attend_block(q, k, v, m_c, l_c, acc_c, start, n_keys,
+                                           last_visible, scale_log2, BLOCK_N, True, PRECISION)
         m_run, l_run, acc_run = merge_chunk(m_run, l_run, acc_run, m_c, l_c, acc_c, scale_log2)
     acc_run = acc_run / tl.where(l_run > 0.0, l_run, 1.0)[:, None]
     out_row = (q_first + token) * tl.num_programs(1) * n_rep + q_head  # out is [T, heads, dim]
@@ -126,7 +141,9 @@ def flash_prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, blocks_ptr,
     tl.store(out_ptr + out_offsets, acc_run.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-_tuned_kernel = triton.autotune(configs=CONFIGS, key=["HEAD_DIM"])(flash_prefill_kernel)
+_tuned_kernel = triton.autotune(configs=CONFIGS, key=["HEAD_DIM"],
+                                prune_configs_by={"early_config_prune": _prune})(
+    flash_prefill_kernel)
 
 
 class TritonBatch:
@@ -191,10 +208,13 @@ def tokens_per_tile(n_rep: int) -> int:
 
 def paged_attention(query: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor,
                     table: torch.Tensor, blocks: torch.Tensor, scaling: float,
-                    longest: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                    longest: int, out: torch.Tensor | None = None, *,
+                    chunk: int = CHUNK_TOKENS) -> torch.Tensor:
     """Launch the kernel: ``table`` ``[sequences, pages]`` int32, ``blocks`` as
     ``TritonBatch.blocks``, ``longest`` the most queries in one tile; writes the tiles'
-    rows of ``out`` (new when None) and returns it."""
+    rows of ``out`` (new when None) and returns it. ``chunk`` (keys a chunk sums from
+    scratch, a multiple of ``BLOCK_N``) is the engine's ``CHUNK_TOKENS``; tests take small
+    ones to cross many chunk boundaries in few keys."""
     total, heads, dim = query.shape
     kv_heads = key_pages.shape[2]
     if heads % kv_heads or dim & (dim - 1) or dim < 16:
@@ -203,6 +223,7 @@ def paged_attention(query: torch.Tensor, key_pages: torch.Tensor, value_pages: t
     if not key_pages.is_contiguous() or not value_pages.is_contiguous() or query.stride(-1) != 1:
         raise ValueError("pages must be contiguous and queries contiguous in their last dim")
     n_rep = heads // kv_heads
+    check_chunk(chunk)
     if n_rep > MAX_ROWS or longest > tokens_per_tile(n_rep):
         raise ValueError(f"a query tile holds at most {MAX_ROWS} rows, got {longest} x {n_rep}")
     if out is None:
@@ -210,7 +231,8 @@ def paged_attention(query: torch.Tensor, key_pages: torch.Tensor, value_pages: t
     args = (query, key_pages, value_pages, out, table, blocks,
             query.stride(0), query.stride(1), key_pages.stride(1), key_pages.stride(2),
             table.shape[1], n_rep, key_pages.shape[1], scaling * 1.4426950408889634)
-    constants = dict(HEAD_DIM=dim, BLOCK_M=MAX_ROWS, BLOCK_N=BLOCK_N, CHUNK=CHUNK_TOKENS,
+    constants = dict(HEAD_DIM=dim, BLOCK_M=MAX_ROWS, BLOCK_N=BLOCK_N,
+                     CHUNK=chunk, PER_CHUNK=chunk // BLOCK_N,
                      PAGE_RUN=page_run(key_pages.shape[1]), PRECISION=precision_for(query.dtype))
     grid = (blocks.shape[0], kv_heads)
     if INTERPRET:   # no timing on the CPU: one config

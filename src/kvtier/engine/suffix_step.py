@@ -44,8 +44,8 @@ MAX_TOKENS = BUCKETS[-1]
 #: buckets have query blocks enough, and their partials would cost 2-4x the memory.
 SPLIT_BUCKET = 32
 #: Longest past + new tokens the captured steps serve (on CUDA): the split partials are sized
-#: for it (``SPLIT_BUCKET`` tokens x query heads x 256 chunks x head_dim in fp32: 134 MB for
-#: an 8B model's 32 x 128). A longer hit steps eagerly; its load (hundreds of milliseconds)
+#: for it (``SPLIT_BUCKET`` tokens x query heads x 64 chunks of 1024 keys x head_dim in fp32:
+#: 34 MB for an 8B model's 32 x 128). A longer hit steps eagerly; its load (hundreds of milliseconds)
 #: dwarfs the eager forward's launches.
 MAX_PAST_TOKENS = 65536
 #: Query rows one tile of the paged kernels holds, as ``paged_tiles.MAX_ROWS`` (kept here
