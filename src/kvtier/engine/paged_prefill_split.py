@@ -27,6 +27,7 @@ from kvtier.engine.paged_tiles import (
     BLOCK_N,
     CHUNK_TOKENS,
     MAX_ROWS,
+    NUM_WARPS,
     check_chunk,
     chunk_softmax,
     merge_chunk,
@@ -130,7 +131,7 @@ def split_prefill(query: torch.Tensor, key_pages: torch.Tensor, value_pages: tor
         table.shape[1], n_rep, key_pages.shape[1], scaling * 1.4426950408889634, n_chunks,
         HEAD_DIM=dim, BLOCK_R=MAX_ROWS, BLOCK_N=BLOCK_N, CHUNK=chunk,
         PAGE_RUN=page_run(key_pages.shape[1]), PRECISION=precision_for(query.dtype),
-        num_warps=8)   # a 128-row tile's fp32 accumulator in registers (as the flash kernel)
+        num_warps=NUM_WARPS)   # the flash kernel's warps: a row's sums laid out alike
     merge_prefill_kernel[grid](maxima, sums, outs, out, blocks, n_rep, n_chunks,
                                scaling * 1.4426950408889634, HEAD_DIM=dim, BLOCK_R=MAX_ROWS,
                                CHUNK=chunk)

@@ -42,6 +42,8 @@ CHUNK_TOKENS = 1024
 #: 128 rows (32 tokens x a group of 4 query heads, as in 8B models) is the tile flash attention
 #: runs on Hopper for head_dim 128; the split launch and the captured suffix steps use the same.
 MAX_ROWS = 128
+#: Warps of every launch that computes a tile's rows (see ``paged_triton.CONFIGS``).
+NUM_WARPS = 8
 
 
 @triton.jit

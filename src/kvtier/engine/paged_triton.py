@@ -21,7 +21,7 @@ from scratch block by block and folded in key order, the same for every query ro
 its tile, the tile's size or how the prompt was split into steps. So a prompt computed whole,
 in chunks and as a hit's suffix (here or in the split launch of ``paged_prefill_split``) gives
 the same bits. ``num_warps``/``num_stages`` come from a small autotune keyed on head_dim and
-dtype (``CONFIGS``); they change where values live, never the order of any sum.
+dtype (``CONFIGS``: the pipeline depth, on a fixed 8 warps shared with the split launch).
 
 The sizes that change every step (tokens, tiles, table width) are not specialized on, so one
 compile serves every batch. Tested on the CPU under ``TRITON_INTERPRET=1`` against the PyTorch
@@ -42,6 +42,7 @@ from kvtier.engine.paged_tiles import (
     BLOCK_N,
     CHUNK_TOKENS,
     MAX_ROWS,
+    NUM_WARPS,
     attend_block,
     check_chunk,
     load_block,
@@ -51,26 +52,21 @@ from kvtier.engine.paged_tiles import (
 )
 from kvtier.engine.rounding import INTERPRET
 
-__all__ = ["BLOCK_N", "CHUNK_TOKENS", "CONFIGS", "MAX_ROWS", "TritonBatch", "paged_attention",
+__all__ = ["BLOCK_N", "CHUNK_TOKENS", "CONFIGS", "MAX_ROWS", "NUM_WARPS", "TritonBatch",
+           "paged_attention",
            "tokens_per_tile"]
 
-#: The autotune's candidates (``num_warps``, ``num_stages``). A 128-row tile holds two fp32
-#: accumulators (the chunk's and the running one): at head_dim 128 that is 128 registers a
-#: thread on 8 warps, and ptxas (sm_90a) reports 255 registers with a few bytes of spills,
-#: while 4 warps spill ~2.8 KB a thread; so 4 warps are tried only up to head_dim 64
-#: (``_prune``). Two or three stages of K/V blocks (32 KiB a stage in bf16 at head_dim 128)
-#: fit shared memory beside the query tile; fp32 tiles double that, where three stages fail
-#: to fit and drop out. Which depth wins depends on the GPU, so it is measured once per
-#: (head_dim, dtype) and process, on the first launch; it changes no sum's order.
-CONFIGS = [triton.Config({}, num_warps=w, num_stages=s) for w, s in ((8, 2), (8, 3), (4, 2),
-                                                                       (4, 3))]
-
-
-def _prune(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
-    """The configs worth timing for this head_dim (see ``CONFIGS``)."""
-    dim = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM", 128))
-    kept = [c for c in configs if c.num_warps == 8 or dim <= 64]
-    return kept or configs
+#: The autotune's candidates: software-pipeline depths (``num_stages``) 2, 3 and 4 on 8 warps.
+#: Two or more stages of K/V blocks (32 KiB a stage in bf16 at head_dim 128) fit shared
+#: memory beside the query tile; fp32 tiles double that, where the deeper configs fail to fit
+#: and drop out; which depth wins depends on the GPU, so it is measured once per (head_dim,
+#: dtype) and process, on the first launch. ``num_warps`` stays 8: a 128-row tile holds two
+#: fp32 accumulators (the chunk's and the running one), 128 registers a thread on 8 warps at
+#: head_dim 128 (ptxas for sm_90a: 255 registers, a few bytes of spills), where 4 warps spill
+#: ~2.8 KB a thread; and the warps decide how a row's sums are laid out over threads, so the
+#: split launch (``paged_prefill_split``, also 8 warps) could otherwise sum a row in another
+#: order. A stage count changes only when loads are issued, never a sum's order.
+CONFIGS = [triton.Config({}, num_warps=NUM_WARPS, num_stages=s) for s in (2, 3, 4)]
 
 
 @triton.jit(do_not_specialize=["max_pages"])
@@ -141,9 +137,7 @@ def flash_prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, blocks_ptr,
     tl.store(out_ptr + out_offsets, acc_run.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-_tuned_kernel = triton.autotune(configs=CONFIGS, key=["HEAD_DIM"],
-                                prune_configs_by={"early_config_prune": _prune})(
-    flash_prefill_kernel)
+_tuned_kernel = triton.autotune(configs=CONFIGS, key=["HEAD_DIM"])(flash_prefill_kernel)
 
 
 class TritonBatch:
@@ -236,7 +230,7 @@ def paged_attention(query: torch.Tensor, key_pages: torch.Tensor, value_pages: t
                      PAGE_RUN=page_run(key_pages.shape[1]), PRECISION=precision_for(query.dtype))
     grid = (blocks.shape[0], kv_heads)
     if INTERPRET:   # no timing on the CPU: one config
-        flash_prefill_kernel[grid](*args, **constants)
+        flash_prefill_kernel[grid](*args, **constants, num_warps=NUM_WARPS)
     else:
         _tuned_kernel[grid](*args, **constants)
     return out
