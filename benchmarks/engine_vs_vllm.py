@@ -69,6 +69,19 @@ GOALS = {"recompute": ("<=", 1.1), "device_hit": ("<=", 1.0), "host_hit": ("<=",
          "throughput": (">=", 0.9), "itl_1": ("<=", 1.1), "itl_16": ("<=", None)}
 
 
+def attempt(res: dict[str, Any], key: str, fn: Any) -> Any:
+    """``res[key] = fn()``; a failure is recorded as ``res[key + "_error"]`` (with its
+    traceback in the case's log) and the case goes on to its next measurement."""
+    try:
+        res[key] = fn()
+        return res[key]
+    except Exception as exc:
+        res[f"{key}_error"] = f"{type(exc).__name__}: {exc}"[:1000]
+        print(traceback.format_exc()[-4000:], flush=True)
+        log(f"{key} FAILED: {res[key + '_error']}")
+        return None
+
+
 def median_ms(values: list[float]) -> float | None:
     return round(statistics.median(values) * 1e3, 2) if values else None
 
@@ -267,10 +280,8 @@ def kvtier_case(args: argparse.Namespace) -> dict[str, Any]:
                                             tiers=("device", "host"), repeats=args.repeats,
                                             suffix_tokens=SUFFIX_TOKENS),
                        progress=lambda label: log(f"kvtier ttft {label}"))
-    try:
-        ttft_run.run()
-    finally:
-        res["ttft_summary"] = summarize(ttft_run)
+    attempt(res, "ttft_run", lambda: ttft_run.run() or "done")
+    res["ttft_summary"] = summarize(ttft_run)
     ttft: dict[str, Any] = {}
     for row in res["ttft_summary"]["rows"]:
         key = {"recompute": "recompute", "device": "device_hit", "host": "host_hit"}[row["tier"]]
@@ -295,18 +306,21 @@ def kvtier_case(args: argparse.Namespace) -> dict[str, Any]:
                 lambda: graphs.warm(service.engine.pages.kv, keys)).result(timeout=600)
         _timed_concurrent(service, [prompt(args.throughput_prompt, seed=995 + i) for i in range(2)],
                           NEW_TOKENS)                                            # warm-up
-        res["throughput"] = {}
+        res["throughput"], res["itl"] = {}, {}
         for level in args.levels:
-            one = _timed_concurrent(service, throughput_prompts(level, args.throughput_prompt), NEW_TOKENS)
-            one["gen_tok_s"] = one["tokens_per_s"]
-            res["throughput"][str(level)] = one
+            one = attempt(res["throughput"], str(level), lambda level=level: _timed_concurrent(
+                service, throughput_prompts(level, args.throughput_prompt), NEW_TOKENS))
+            if one:
+                one["gen_tok_s"] = one["tokens_per_s"]
             log(f"kvtier throughput {level}: {one}")
+            emit("PARTIAL", **res)
 
         def run(prompts: list[list[int]], new: int) -> float:
             return float(_timed_concurrent(service, prompts, new)["seconds"])
 
-        res["itl"] = {str(b): itl_from(run, b, args.itl_prompt, args.itl_repeats)
-                      for b in ITL_BATCHES}
+        for b in ITL_BATCHES:
+            attempt(res["itl"], str(b),
+                    lambda b=b: itl_from(run, b, args.itl_prompt, args.itl_repeats))
         log(f"kvtier itl {res['itl']}")
         res["engine_stats"] = service.engine.stats()
     finally:
@@ -347,7 +361,8 @@ def vllm_case(args: argparse.Namespace, name: str) -> dict[str, Any]:
     res: dict[str, Any] = {"versions": case.res.get("versions"), "init_s": case.res.get("init_s"),
                            "ttft": {}}
     case.gen(prompt(args.lengths[0], seed=7), 1)                     # warm-up
-    for length in args.lengths:
+
+    def ttft_at(length: int) -> dict[str, Any]:
         prefix = prompt(length, seed=1)
         suffixes = [prompt(SUFFIX_TOKENS, seed=100 + i) for i in range(args.repeats + 2)]
         r: dict[str, Any] = {}
@@ -373,22 +388,32 @@ def vllm_case(args: argparse.Namespace, name: str) -> dict[str, Any]:
                 hits.append(case.gen(prefix + s, 1))
             r["host_hit_ms"] = median_ms([t for t, _, _ in hits])
             r["host_hit_cached"] = [c for _, _, c in hits]
-        res["ttft"][str(length)] = r
         log(f"{name} {length}: {r}")
+        return r
+
+    for length in args.lengths:
+        attempt(res["ttft"], str(length), lambda length=length: ttft_at(length))
         emit("PARTIAL", **res)
     if name == "vllm_main":
         vllm_many(case, [prompt(args.throughput_prompt, seed=995 + i) for i in range(2)],
                   NEW_TOKENS)
-        res["throughput"] = {}
+        res["throughput"], res["itl"] = {}, {}
+
+        def throughput_at(level: int) -> dict[str, Any]:
+            seconds = vllm_many(case, throughput_prompts(level, args.throughput_prompt),
+                                NEW_TOKENS)
+            out = {"requests": level, "seconds": round(seconds, 3),
+                   "generated_tokens": level * NEW_TOKENS,
+                   "gen_tok_s": round(level * NEW_TOKENS / seconds, 1)}
+            log(f"{name} throughput {level}: {out}")
+            return out
+
         for level in args.levels:
-            prompts = throughput_prompts(level, args.throughput_prompt)
-            seconds = vllm_many(case, prompts, NEW_TOKENS)
-            res["throughput"][str(level)] = {"requests": level, "seconds": round(seconds, 3),
-                                             "generated_tokens": level * NEW_TOKENS,
-                                             "gen_tok_s": round(level * NEW_TOKENS / seconds, 1)}
-            log(f"{name} throughput {level}: {res['throughput'][str(level)]}")
-        res["itl"] = {str(b): itl_from(lambda p, n: vllm_many(case, p, n), b, args.itl_prompt,
-                                       args.itl_repeats) for b in ITL_BATCHES}
+            attempt(res["throughput"], str(level), lambda level=level: throughput_at(level))
+            emit("PARTIAL", **res)
+        for b in ITL_BATCHES:
+            attempt(res["itl"], str(b), lambda b=b: itl_from(
+                lambda p, n: vllm_many(case, p, n), b, args.itl_prompt, args.itl_repeats))
         log(f"{name} itl {res['itl']}")
     return res
 
@@ -552,6 +577,9 @@ def parent_main(args: argparse.Namespace) -> None:
               f"< 1 means kvtier is faster for times, slower for tok/s. Cases: "
               + ", ".join(f"{c}={'ok' if d.get('ok') else 'FAILED: ' + str(d.get('error'))[:120]}"
                           for c, d in cases.items()))
+    for c, d in cases.items():
+        for where, message in sub_errors(d):
+            header += f"\n  {c}: {where} failed: {message[:200]}"
     print("\n" + header + "\n\n" + text)
     (out / "engine_vs_vllm.txt").write_text(header + "\n\n" + text + "\n")
     write_report(out / "engine_vs_vllm.json", "engine_vs_vllm", {
@@ -559,6 +587,18 @@ def parent_main(args: argparse.Namespace) -> None:
         "settings": {k: v for k, v in vars(args).items() if k != "child_argv"},
         "table": rows, "cases": cases})
     print(f"wrote {out / 'engine_vs_vllm.json'} and {out / 'engine_vs_vllm.txt'}")
+
+
+def sub_errors(data: Any, where: str = "") -> list[tuple[str, str]]:
+    """Every ``*_error`` a case recorded (a measurement that failed while the case went on)."""
+    out: list[tuple[str, str]] = []
+    if isinstance(data, dict):
+        for key, value in data.items():
+            if key.endswith("_error"):
+                out.append((f"{where}{key[:-6]}", str(value)))
+            else:
+                out += sub_errors(value, f"{where}{key}.")
+    return out
 
 
 def _gpu_names() -> str:
