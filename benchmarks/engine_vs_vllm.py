@@ -6,7 +6,8 @@ kvtier a seeded preset), bf16, seeded random prompts of ids 5..1000 (the same id
 engines where both run a prompt: ``vllm_gpu.prompt``). Cases:
 
 - ``kernel``: the paged prefill kernel (``kvtier.engine.paged_triton``) against
-  ``F.scaled_dot_product_attention`` (flash backend, causal) on one layer's shape at each of
+  ``F.scaled_dot_product_attention`` (flash backend, causal, K/V repeated to every query head
+  in contiguous tensors, so it reads no pages) on one layer's shape at each of
   ``--lengths``, TFLOP/s of the causal work (``4 * heads * head_dim * L(L+1)/2``), page
   sizes 64 and 16, a 32k prompt in the engine's 8192-token steps; then the numerics contract
   on the GPU: a prompt computed whole, in steps of several sizes and as a hit's suffix (the
