@@ -9,7 +9,7 @@ TORCH_PIN := torch==2.13.0
 VENV_SGLANG := .venv-sglang
 VENV_VLLM := .venv-vllm
 
-.PHONY: install install-test run test lint unit clean
+.PHONY: install install-test run test lint unit docs docs-check clean
 
 install: $(STAMP)
 
@@ -59,7 +59,7 @@ run: install
 # layer).
 MYPY_STRICT := src/kvtier/keys.py src/kvtier/config.py src/kvtier/layout.py src/kvtier/errors.py \
 	src/kvtier/memory src/kvtier/index src/kvtier/store src/kvtier/transfer src/kvtier/controller \
-	src/kvtier/cache.py src/kvtier/admin
+	src/kvtier/cache.py src/kvtier/admin src/kvtier/config_doc.py
 
 lint: install-test
 	$(BIN)/ruff check src tests benchmarks
@@ -68,7 +68,17 @@ lint: install-test
 unit: install-test
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
 
-test: lint unit
+# The docs site (mkdocs.yml): `make docs` serves it on http://127.0.0.1:8001 and rebuilds on edits;
+# `make docs-check` (part of `make test`) builds it with --strict into a temporary folder, so a
+# broken link or anchor fails. The build takes a few seconds.
+docs: $(TEST_STAMP)
+	$(BIN)/mkdocs serve --dev-addr 127.0.0.1:8001
+
+docs-check: $(TEST_STAMP)
+	@site=$$(mktemp -d) && $(BIN)/mkdocs build --strict --quiet --site-dir "$$site"; \
+		status=$$?; rm -rf "$$site"; exit $$status
+
+test: lint unit docs-check
 
 clean:
 	rm -rf $(VENV) $(VENV_SGLANG) $(VENV_VLLM) .pytest_cache .ruff_cache .mypy_cache .hypothesis

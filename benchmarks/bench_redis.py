@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.commands.raw_redis import benchmark_args, fill_keyspace, redis_py_pipeline
+from kvtier.bench.raw_redis import benchmark_args, fill_keyspace, redis_py_pipeline
 from kvtier.config import parse_size
 from kvtier.machine import format_table, write_report
 from kvtier.store import open_store

@@ -30,15 +30,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from kvtier.commands.bench_store import (
+from kvtier.bench.page_io import (
     SOURCE_PAGES,
     aligned_pages,
-    bench_one,
     drop_caches,
-    flush_files,
     run_batches,
     source_pages,
 )
+from kvtier.bench.store_throughput import bench_one, flush_files
 from kvtier.config import parse_size
 from kvtier.machine import format_table, write_report
 

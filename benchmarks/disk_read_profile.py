@@ -39,7 +39,7 @@ import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from kvtier.commands.bench_store import aligned_pages, run_batches, source_pages
+from kvtier.bench.page_io import aligned_pages, run_batches, source_pages
 from kvtier.config import parse_size
 from kvtier.machine import format_table, write_report
 from kvtier.store.file import FileStore

@@ -44,8 +44,8 @@ import xxhash._xxhash
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from disk_read_profile import fill_store
-from kvtier.commands.bench_store import aligned_pages, run_batches
-from kvtier.commands.raw_disk import RawReads
+from kvtier.bench.page_io import aligned_pages, run_batches
+from kvtier.bench.raw_disk import RawReads
 from kvtier.config import parse_size
 from kvtier.machine import format_table, write_report
 from kvtier.store.file import FileStore, segment

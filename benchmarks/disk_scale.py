@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from kvtier.commands.bench_store import drop_caches
+from kvtier.bench.page_io import drop_caches
 from kvtier.machine import format_table, write_report
 from kvtier.store import open_store
 from kvtier.store.file import FileStore

@@ -37,8 +37,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
-from kvtier.commands import bench_serve
-from kvtier.commands.serve_plot import plot_runs
+from kvtier.bench import serve_compare
+from kvtier.bench.serve_plot import plot_runs
 from kvtier.machine import machine_info
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -101,14 +101,14 @@ def _args(**kw: object) -> SimpleNamespace:
 def warm(url: str) -> None:
     """A few requests first: the first forwards of a process pay one-off costs."""
     args = _args(num_requests=4, concurrency=4, output_len=8, seed=99)
-    bench_serve.measure(url, bench_serve.build_workload(args), args)
+    serve_compare.measure(url, serve_compare.build_workload(args), args)
 
 
 def batching_goal(url: str) -> dict[str, object]:
     runs = {}
     for name, conc, seed in (("16 sequential", 1, 1), ("16 concurrent", 16, 2)):
         args = _args(concurrency=conc, seed=seed)
-        runs[name] = bench_serve.measure(url, bench_serve.build_workload(args), args)
+        runs[name] = serve_compare.measure(url, serve_compare.build_workload(args), args)
     ratio = runs["16 concurrent"]["output_tokens_per_s"] / runs["16 sequential"]["output_tokens_per_s"]
     return {"runs": runs, "ratio": round(ratio, 2), "goal": BATCH_GOAL, "met": ratio >= BATCH_GOAL}
 
@@ -132,10 +132,10 @@ def no_hit_cost(servers: dict[str, str], off: str, rounds: int) -> dict[str, obj
     runs = []
     for r in range(rounds):
         wargs = _args(seed=1000 + r, num_requests=32)
-        requests = bench_serve.build_workload(wargs)
+        requests = serve_compare.build_workload(wargs)
         order = [("no-cache", off), *servers.items()]
         order = order[r % len(order):] + order[:r % len(order)]
-        got = {name: bench_serve.measure(url, requests, wargs) for name, url in order}
+        got = {name: serve_compare.measure(url, requests, wargs) for name, url in order}
         runs.append(got)
         for name in servers:
             for key in keys:
@@ -191,15 +191,15 @@ def main() -> int:
             goal = batching_goal(on)
             result["batching"] = goal
             tables.append(f"## batching (kvtier server, random {128 * SCALE[0]}-token prompts, "
-                          f"64 new tokens)\n{bench_serve.table(goal['runs'])}\nratio "
+                          f"64 new tokens)\n{serve_compare.table(goal['runs'])}\nratio "
                           f"{goal['ratio']}x (goal >= {BATCH_GOAL}x: "
                           f"{'met' if goal['met'] else 'NOT met'})")
             for name, wargs in workloads().items():
-                requests = bench_serve.build_workload(wargs)
-                runs = {"kvtier": bench_serve.measure(on, requests, wargs),
-                        "no-cache": bench_serve.measure(off, requests, wargs)}
-                result[name] = {"settings": bench_serve.settings(wargs), "runs": runs}
-                tables.append(f"## {name} {bench_serve.settings(wargs)}\n{bench_serve.table(runs)}")
+                requests = serve_compare.build_workload(wargs)
+                runs = {"kvtier": serve_compare.measure(on, requests, wargs),
+                        "no-cache": serve_compare.measure(off, requests, wargs)}
+                result[name] = {"settings": serve_compare.settings(wargs), "runs": runs}
+                tables.append(f"## {name} {serve_compare.settings(wargs)}\n{serve_compare.table(runs)}")
         if args.rounds:
             cost = no_hit_cost(variants, off, args.rounds)
             result["no_hit_cost"] = cost | {"variants": args.variant}

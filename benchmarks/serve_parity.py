@@ -14,6 +14,12 @@ H200)::
 
     PYTHONPATH=src:benchmarks python benchmarks/serve_parity.py --device cuda \\
         --dtypes bfloat16,float32 --prompts 200 --json serve_parity_h200.json
+
+``--disk DIR --restart`` adds a ``restart`` cell: the cached server is closed (its disk writes
+flushed) and a new one opened on the same directory serves each prompt as a disk hit, split
+between recompute and load as the planner chooses (``--split plan``, the default) once a few
+unrelated prompts taught it the prefill rate; the cell's ``cached_tokens_by_tier`` says how
+many prompts were split (``splits``) and how many hit tokens their heads recomputed.
 """
 
 from __future__ import annotations
@@ -30,10 +36,11 @@ import torch
 
 from kvtier.config import build_config
 from kvtier.engine import paged
+from kvtier.engine.hf import load_model
 from kvtier.engine.request import GenerationRequest
 from kvtier.engine.service import EngineService
 from kvtier.machine import format_table, machine_info
-from parity import build_lm, prompts
+from parity import ARCHS, build_lm, prompts
 
 
 def _service(lm: Any, args: argparse.Namespace, dtype: str, mode: str, page_size: int,
@@ -73,13 +80,20 @@ Run = tuple[list[int], torch.Tensor]
 def _run(service: EngineService, recorder: FirstLogits, batch: list[list[int]], new: int,
          served: dict[str, int] | None = None) -> list[Run]:
     """Greedy tokens and first-token logits of each prompt; ``served`` adds up the cached
-    tokens by tier."""
+    tokens by tier (and, as ``split_head``, the hit tokens recomputed by a split, and as
+    ``splits`` how many prompts were split)."""
     handles = [service.submit(GenerationRequest(tuple(p), new)) for p in batch]
     results = [h.result(timeout=1800) for h in handles]
     for _, finish in results:
+        if served is None:
+            continue
         for tier, tokens in finish.prefill.cached_by_tier.items():
-            if served is not None:
-                served[tier] = served.get(tier, 0) + tokens
+            served[tier] = served.get(tier, 0) + tokens
+        head = finish.prefill.recomputed_hit_tokens
+        served["split_head"] = served.get("split_head", 0) + head
+        split = 0 < head < finish.prefill.matched_tokens
+        served["splits"] = served.get("splits", 0) + int(split)
+        served.setdefault("split_each", []).append(int(split))
     return [(tokens, recorder.by_id.pop(h.request.request_id))
             for h, (tokens, _) in zip(handles, results, strict=True)]
 
@@ -91,8 +105,12 @@ def _drop(service: EngineService, tiers: tuple[str, ...]) -> None:
 def run_cell(args: argparse.Namespace, arch: str, dtype: str, mode: str,
              page_size: int) -> list[dict[str, Any]]:
     started = time.perf_counter()
-    lm = build_lm(arch, dtype, mode, args.device, args.hidden, args.layers)
-    paged.install(lm.model)                  # as hf.load_model does
+    if arch not in ARCHS:                    # a preset (kvtier's tiny models, real shapes)
+        lm = load_model(arch, device=args.device, dtype=dtype, seed=args.seed,
+                        deterministic=mode == "deterministic")
+    else:
+        lm = build_lm(arch, dtype, mode, args.device, args.hidden, args.layers)
+        paged.install(lm.model)              # as hf.load_model does
     pairs = prompts(args.prompts, args.prompt_tokens, args.seed)
     plain = _service(lm, args, dtype, mode, page_size, False, 1)
     plain_logits = FirstLogits(plain)
@@ -121,7 +139,10 @@ def run_cell(args: argparse.Namespace, arch: str, dtype: str, mode: str,
         _run(cached, logits, [s for _, s in pairs], 1)
         got["batched"] = _run(cached, logits, [p for p, _ in pairs], args.new_tokens, served["batched"])
     finally:
-        cached.close()
+        cached.close()   # flushes the disk tier's writes, as a server's shutdown does
+    if args.disk and args.restart:
+        got["restart"] = _restarted(args, lm, dtype, mode, page_size, pairs,
+                                    served.setdefault("restart", {}))
     del plain, cached   # their device pools go before the next cell sizes its own
     gc.collect()
     if torch.cuda.is_available():
@@ -133,9 +154,12 @@ def run_cell(args: argparse.Namespace, arch: str, dtype: str, mode: str,
         firsts = [next((i for i, (x, y) in enumerate(zip(a[0], b[0], strict=True)) if x != y),
                        -1) for a, b in pairs_]
         deltas = [float((a[1] - b[1]).abs().max()) for a, b in pairs_]
+        split_each = served[tier].pop("split_each", [0] * len(rows))
+        split_same = [a[0] == b[0] for (a, b), sp in zip(pairs_, split_each, strict=True) if sp]
         cells.append({"arch": arch, "dtype": dtype, "mode": mode, "page_size": page_size, "tier": tier,
                       "prompts": len(rows), "identical_share": round(same / len(rows), 4),
                       "identical": same == len(rows), "cached_tokens_by_tier": served[tier],
+                      "split_prompts": len(split_same), "split_identical": sum(split_same),
                       "first_divergent": [f for f in firsts if f >= 0][:20],
                       "first_logits_bit_identical_share": round(
                           sum(torch.equal(a[1], b[1]) for a, b in pairs_) / len(rows), 4),
@@ -145,10 +169,30 @@ def run_cell(args: argparse.Namespace, arch: str, dtype: str, mode: str,
     return cells
 
 
+def _restarted(args: argparse.Namespace, lm: Any, dtype: str, mode: str, page_size: int,
+               pairs: list[tuple[list[int], list[int]]], served: dict[str, int]) -> list[Run]:
+    """A new server on the same disk directory: a few unrelated prompts of three lengths
+    first (misses: they teach the planner the prefill rate, as a server's first minutes do),
+    then each prompt alone, a disk hit served the way the planner chooses (``--split``)."""
+    service = _service(lm, args, dtype, mode, page_size, True, max(1, len(pairs)))
+    recorder = FirstLogits(service)
+    try:
+        warm = prompts(6, args.prompt_tokens, args.seed + 1)
+        for n, (prompt, _) in enumerate(warm):
+            _run(service, recorder, [prompt[:args.prompt_tokens * (1 + n % 3) // 3]], 1)
+        return [_run(service, recorder, [p], args.new_tokens, served)[0] for p, _ in pairs]
+    finally:
+        service.close()
+        del service
+        gc.collect()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--archs", default="llama,qwen2,mistral")
+    parser.add_argument("--archs", default="llama,qwen2,mistral",
+                        help="parity.py's random models, or kvtier presets (llama3-8b-shape, "
+                             "qwen2.5-7b-shape: random weights, real shapes)")
     parser.add_argument("--dtypes", default="float32")
     parser.add_argument("--modes", default="default",
                         help="default and/or deterministic (engine.deterministic: the "
@@ -162,6 +206,9 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--disk", default="",
                         help="a directory for a disk tier: adds disk hits (after the host cell)")
+    parser.add_argument("--restart", action="store_true",
+                        help="with --disk: adds a 'restart' cell, a new server on the disk "
+                             "directory serving each prompt as a disk hit")
     parser.add_argument("--split", default="plan", choices=("plan", "load", "recompute"),
                         help="how store hits are served: the planner's split, or load them whole")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
@@ -176,9 +223,11 @@ def main() -> int:
                 _write(args, cells)      # after every cell: a run cut short keeps what it did
     rows = [[c["arch"], c["dtype"], c["mode"], c["page_size"], c["tier"], c["prompts"],
              f"{100 * c['identical_share']:.1f} %", c["identical"],
+             f"{c['split_identical']}/{c['split_prompts']}",
              f"{100 * c['first_logits_bit_identical_share']:.1f} %",
              f"{c['max_abs_dlogit']:.3g}"] for c in cells]
     text = format_table(["arch", "dtype", "mode", "page", "hit", "prompts", "identical", "all",
+                         "split: identical/all",
                          "logits bit-identical", "max |dlogit|"], rows)
     print(text)
     _write(args, cells, text)

@@ -48,12 +48,14 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-CASES = ("recompute", "alone", "native", "kvtier", "kvtier_ce", "kvtier_ce128", "disk_store",
-         "disk_hit")
-KVTIER_CASES = ("kvtier", "kvtier_ce", "kvtier_ce128", "disk_store", "disk_hit")
-#: kvtier variants: connector options beside the defaults (``kvtier``).
+#: kvtier variants: connector options beside the defaults (``kvtier``), each a host-hit case.
 VARIANTS = {"kvtier_ce": {"copy_path": "copy_engine"},
-            "kvtier_ce128": {"copy_path": "copy_engine", "page_size": 128}}
+            "kvtier_ce128": {"copy_path": "copy_engine", "page_size": 128},
+            "kvtier_lp0": {"load_programs": 0},
+            "kvtier_lp16": {"load_programs": 16},
+            "kvtier_sp4": {"store_programs": 4}}
+CASES = ("recompute", "alone", "native", "kvtier", *VARIANTS, "disk_store", "disk_hit")
+KVTIER_CASES = ("kvtier", *VARIANTS, "disk_store", "disk_hit")
 TOKEN_LOW, TOKEN_HIGH = 5, 1000            # ordinary tokens of kvtier's tiny tokenizer
 GEN_TOKENS = 16
 THROUGHPUT_PROMPT, THROUGHPUT_NEW = 4980, 128
@@ -158,6 +160,9 @@ class Case:
                 break
             self.gen(prompt(2 * self.args.block_size, seed=99), 1)
             self.settle()
+        else:
+            self.res.setdefault("warnings", []).append("vLLM's prefix cache did not reset")
+        self.zero_vllm_kv()
         if self.name in KVTIER_CASES:
             # One step more: a load whose copy had not landed when its step ended is released
             # at the next step, and until then its pages stay on kvtier's device tier.
@@ -167,6 +172,24 @@ class Case:
             with rt.lock:
                 for tier in tiers:
                     rt.cache.clear_tier(tier)
+
+    def zero_vllm_kv(self) -> None:
+        """Zero every block of vLLM's KV cache (none is in use after the reset): a hit must
+        bring its KV back itself; stale blocks left by the last run of the same prompt would
+        hide a load the forward did not wait for."""
+        import torch
+
+        ctx = self.llm.llm_engine.vllm_config.compilation_config.static_forward_context
+        zeroed = 0
+        for layer in ctx.values():
+            held = getattr(layer, "kv_cache", None)
+            for kv in ([held] if isinstance(held, torch.Tensor) else list(held or ())):
+                if isinstance(kv, torch.Tensor) and kv.numel():
+                    kv.zero_()
+                    zeroed += 1
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.res["kv_tensors_zeroed"] = zeroed
 
     # ---- the measurements -------------------------------------------------------------------
     def run(self) -> None:
@@ -186,7 +209,8 @@ class Case:
             log(f"{self.name}/{self.mode} {length}: " + json.dumps(
                 {k: v for k, v in r.items() if k not in ("tokens16",)}, default=str)[:400])
             emit("LENGTH", length=length, result=r)
-        if self.name in ("alone", "kvtier") and self.mode == "graphs" and a.batch:
+        if (self.name == "alone" or self.name.startswith("kvtier")) and self.mode == "graphs" \
+                and a.batch:
             self.res["throughput"] = self.throughput()
         if self.name in KVTIER_CASES:
             self.res["kvtier"] = self.runtime().stats()["connector"]
@@ -207,6 +231,8 @@ class Case:
         runs = [self.gen(prompt(length, seed=1000 + i), 1) for i in range(self.args.repeats)]
         r["unseen_ttft_ms"] = round(statistics.median(t for t, _, _ in runs) * 1e3, 2)
         r["unseen_cached"] = [c for _, _, c in runs]
+        if self.args.profile:
+            r["profile_unseen"] = self.profiled(prompt(length, seed=2000))
 
     def case_alone(self, p: list[int], r: dict[str, Any], timed: bool) -> None:
         self.gen(p, 1)
@@ -236,6 +262,28 @@ class Case:
         r["ttft_s"], r["cached"] = [t for t, _, _ in hits], [c for _, _, c in hits]
         if self.name in KVTIER_CASES:
             r["hit_tokens_by_tier"] = by_tier
+        if timed and self.args.profile:
+            self.drop_gpu_copies(tiers)
+            r["profile"] = self.profiled(p)
+
+    def profiled(self, p: list[int]) -> dict[str, Any]:
+        """One more hit under torch.profiler: its wall time and the operations that took the
+        most CUDA and CPU time (where a hit's milliseconds go)."""
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        gpu = torch.cuda.is_available()
+        acts = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if gpu else [])]
+        with profile(activities=acts) as prof:
+            t, _, cached = self.gen(p, 1)
+        table = prof.key_averages()
+        def top(key: str) -> list[dict[str, Any]]:
+            rows = sorted(table, key=lambda e: getattr(e, key), reverse=True)[:14]
+            return [{"name": e.key[:90], "calls": e.count,
+                     "self_cuda_ms": round(e.self_device_time_total / 1e3, 3),
+                     "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 3)} for e in rows]
+        return {"ttft_ms": round(t * 1e3, 2), "cached": cached,
+                "by_cuda": top("self_device_time_total"), "by_cpu": top("self_cpu_time_total")}
 
     def held(self, p: list[int]) -> int:
         rt = self.runtime()
@@ -246,9 +294,15 @@ class Case:
     def tier_hits(self) -> dict[str, int]:
         if self.name not in KVTIER_CASES:
             return {}
-        counts = self.runtime().stats()["connector"]
-        return {k: v for k, v in counts.items()
-                if k.startswith("hit_tokens_") or k in ("lookup_us", "lookup_lock_wait_us")}
+        stats = self.runtime().stats()
+        counts = stats["connector"]
+        out = {k: v for k, v in counts.items()
+               if k.startswith("hit_tokens_") or k in ("lookup_us", "lookup_lock_wait_us",
+                                                       "claimed_tokens")}
+        copy = (stats.get("cache") or {}).get("copy") or {}
+        if "load_bytes" in copy:
+            out["copied_to_gpu_bytes"] = copy["load_bytes"]
+        return out
 
     def case_native(self, p: list[int], r: dict[str, Any], timed: bool) -> None:
         self._store_then_hits(p, r, timed)
@@ -258,7 +312,10 @@ class Case:
             self.unseen(len(p), r)
         self._store_then_hits(p, r, timed)
 
-    case_kvtier_ce = case_kvtier_ce128 = case_kvtier
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("case_kvtier_"):                     # the variants
+            return self.case_kvtier
+        raise AttributeError(name)
 
     def case_disk_store(self, p: list[int], r: dict[str, Any], timed: bool) -> None:
         _, _, cached = self.gen(p, 1)
@@ -381,8 +438,7 @@ def summarize(args: argparse.Namespace, results: list[dict[str, Any]]) -> dict[s
 
             want = cell("recompute", "tokens16")
             agree = {c: (cell(c, "tokens16") == want if want and cell(c, "tokens16") else None)
-                     for c in ("alone", "native", "kvtier", "kvtier_ce", "kvtier_ce128",
-                               "disk_hit")}
+                     for c in ("alone", "native", "kvtier", *VARIANTS, "disk_hit")}
             line = {"recompute_ms": cell("recompute"), "gpu_hit_ms": cell("alone"),
                     "native_hit_ms": cell("native"), "kvtier_host_hit_ms": cell("kvtier"),
                     "kvtier_disk_first_ms": cell("disk_hit", "first_ttft_ms"),
@@ -397,6 +453,8 @@ def summarize(args: argparse.Namespace, results: list[dict[str, Any]]) -> dict[s
             for variant in VARIANTS:
                 line[f"{variant}_host_hit_ms"] = cell(variant)
                 line[f"{variant}_over_native"] = ratio(cell(variant), line["native_hit_ms"])
+                line[f"{variant}_miss_over_alone"] = ratio(cell(variant, "unseen_ttft_ms"),
+                                                           line["alone_unseen_ms"])
             line["recompute_over_disk"] = ratio(line["recompute_ms"], line["kvtier_disk_hit_ms"])
             line["miss_over_alone"] = ratio(line["kvtier_unseen_ms"], line["alone_unseen_ms"])
             table[key] = line
@@ -407,24 +465,40 @@ def summarize(args: argparse.Namespace, results: list[dict[str, Any]]) -> dict[s
                          " ".join(f"{c}={'y' if v else ('n' if v is False else '-')}"
                                   for c, v in agree.items())])
         variants = [(length, v, table[str(length)][f"{v}_host_hit_ms"],
-                     table[str(length)][f"{v}_over_native"]) for length in args.lengths
+                     table[str(length)][f"{v}_over_native"],
+                     table[str(length)][f"{v}_miss_over_alone"]) for length in args.lengths
                     for v in VARIANTS if table[str(length)][f"{v}_host_hit_ms"] is not None]
-        thr = {c: by.get((c, mode), {}).get("throughput") for c in ("alone", "kvtier")}
-        if thr["alone"] and thr["kvtier"]:
-            thr["kvtier_over_alone"] = ratio(thr["kvtier"]["gen_tok_s"], thr["alone"]["gen_tok_s"])
+        thr = {c: by.get((c, mode), {}).get("throughput") for c in ("alone", "kvtier", *VARIANTS)}
+        for c in ("kvtier", *VARIANTS):
+            if thr["alone"] and thr[c]:
+                thr[f"{c}_over_alone"] = ratio(thr[c]["gen_tok_s"], thr["alone"]["gen_tok_s"])
         table["throughput"] = thr
         summary[mode] = table
         print(f"\n== {mode} (TTFT ms, median of {args.repeats}) ==")
         print(format_table(["tokens", "recompute", "gpu hit", "native hit", "kvtier host",
                             "kv/native", "kvtier disk", "recomp/disk", "miss/alone",
                             "16 tokens = recompute"], rows))
-        for length, variant, ms, over in variants:
+        for length, variant, ms, over, miss in variants:
             print(f"{length} tokens: {variant} ({VARIANTS[variant]}) host hit {ms} ms, "
-                  f"{over}x native")
+                  f"{over}x native; miss {miss}x alone")
+        for (case, run_mode), res in sorted(by.items()):
+            for length, r in res.get("lengths", {}).items():
+                for what in ("profile", "profile_unseen"):
+                    prof = r.get(what) if run_mode == mode else None
+                    if prof:
+                        print(f"{case} {length} tokens, one profiled "
+                              f"{'hit' if what == 'profile' else 'miss'} ({prof['ttft_ms']} ms)"
+                              ", most CUDA time: " + "; ".join(
+                                  f"{e['name'][:48]} x{e['calls']} {e['self_cuda_ms']} ms"
+                                  for e in prof["by_cuda"][:6]))
         if thr.get("kvtier_over_alone") is not None:
             print(f"throughput, {args.batch} prompts x {THROUGHPUT_PROMPT} tokens, "
                   f"{THROUGHPUT_NEW} new: alone {thr['alone']['gen_tok_s']} gen tok/s, kvtier "
                   f"on (no hit) {thr['kvtier']['gen_tok_s']} ({thr['kvtier_over_alone']}x)")
+        for c in VARIANTS:
+            if thr.get(f"{c}_over_alone") is not None:
+                print(f"throughput {c} ({VARIANTS[c]}): {thr[c]['gen_tok_s']} gen tok/s "
+                      f"({thr[f'{c}_over_alone']}x alone)")
     return summary
 
 
@@ -486,6 +560,8 @@ def main() -> None:
     p.add_argument("--gpu-mem", type=float, default=0.6)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--batch", type=int, default=16, help="throughput prompts (0: none)")
+    p.add_argument("--profile", type=int, default=0,
+                   help="1: one more hit per host-hit case under torch.profiler (top operations)")
     p.add_argument("--unseen", type=int, default=1, help="time unseen prompts (the miss path)")
     p.add_argument("--offload-gib", type=float, default=12.0,
                    help="vLLM's native CPU offloading size, and kvtier's host tier")

@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 
+from kvtier.bench.serve_load import RequestResult, summarize
+from kvtier.bench.serve_workloads import conversations, multi_turn, random_prompts, shared_prefix
 from kvtier.commands import bench_serve
-from kvtier.commands.serve_load import RequestResult, summarize
-from kvtier.commands.serve_workloads import multi_turn, random_prompts, shared_prefix
 from test_engine_support import make_config, running_server
 
 
@@ -34,8 +34,24 @@ def test_multi_turn_keeps_the_traces_prefix_chains_at_any_scale(tmp_path):
     assert first.max_tokens == 5 and second.max_tokens == 1
 
 
+def test_conversations_resend_the_whole_history_turn_by_turn():
+    requests = conversations(3, 4, system_len=10, user_len=5, reply_len=2, output_len=7,
+                             vocab=500)
+    assert len(requests) == 12 and all(r.max_tokens == 7 for r in requests)
+    assert [r.tenant for r in requests[:4]] == ["conversation-0", "conversation-1",
+                                                "conversation-2", "conversation-0"]
+    for c in range(3):
+        chat = [r.prompt for r in requests[c::3]]
+        assert [len(p) for p in chat] == [10 + (t + 1) * 5 + t * 2 for t in range(4)]
+        assert all(b[:len(a)] == a for a, b in zip(chat, chat[1:], strict=False))
+    firsts = [r.prompt for r in requests[:3]]
+    assert len({p[:10] for p in firsts}) == 1 and len({p[10:] for p in firsts}) == 3
+    assert conversations(3, 4, 10, 5, 2, 7, 500) == requests                  # seeded
+
+
 def test_summary_percentiles_throughput_and_cached_share():
-    results = [RequestResult(True, 100, 10, 0.1, 1.0, [0.01] * 9, {"device": 50, "host": 10}),
+    results = [RequestResult(True, 100, 10, 0.1, 1.0, [0.01] * 9, {"device": 50, "host": 10},
+                             cached_tokens=60),
                RequestResult(True, 100, 10, 0.3, 1.0, [0.03] * 9, {"device": 0}),
                RequestResult(False, 100, error="HTTP 429")]
     out = summarize(results, 2.0)
@@ -44,6 +60,7 @@ def test_summary_percentiles_throughput_and_cached_share():
     assert out["ttft_ms_p50"] in (100.0, 300.0) and out["ttft_ms_p99"] == 300.0
     assert abs(out["itl_ms_p99"] - 30.0) < 1e-9
     assert out["cached_share"]["device"] == 0.25 and out["cached_share"]["host"] == 0.05
+    assert out["cached_tokens_share"] == 0.3 and out["requests_per_s"] == 1.0
 
 
 def test_a_run_against_a_server_reports_hits_and_writes_json(tmp_path, capsys):
@@ -62,14 +79,15 @@ def test_a_run_against_a_server_reports_hits_and_writes_json(tmp_path, capsys):
 
 
 def test_every_token_chunk_is_timed_even_with_empty_text():
-    from kvtier.commands import serve_load
+    from kvtier.bench import serve_load
 
     def chunk(text, finish=None):
         return ("data: " + json.dumps({"choices": [{"text": text, "finish_reason": finish}]})
                 ).encode()
     lines = [chunk(""), chunk("a"), chunk(""), chunk("", "length"),
-             b'data: {"choices": [], "usage": {"completion_tokens": 3}}', b"data: [DONE]"]
+             b'data: {"choices": [], "usage": {"completion_tokens": 3, '
+             b'"prompt_tokens_details": {"cached_tokens": 2}}}', b"data: [DONE]"]
     result = RequestResult(ok=True, prompt_tokens=4)
     serve_load._read_stream(iter(lines), result, 0.0)
     assert result.ttft_s is not None and len(result.itl_s) == 2
-    assert result.completion_tokens == 3
+    assert result.completion_tokens == 3 and result.cached_tokens == 2

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
+from kvtier.bench.ttft_report import goals
 from kvtier.cli import main
-from kvtier.commands.bench_ttft import goals
 
 
 def test_bench_ttft_writes_json_table_and_plot(tmp_path, capsys):

@@ -7,7 +7,7 @@ import copy
 import pytest
 from tests.test_engine_support import make_config, tiny_lm
 
-from kvtier.controller.split import LineFit, RateBook
+from kvtier.controller.rates import LineFit, RateBook
 from kvtier.planner import split_hit
 
 

@@ -35,7 +35,7 @@ from kvtier.controller.context import CacheContext
 from kvtier.controller.controller import CacheController
 from kvtier.controller.handles import Hit, Loaded
 from kvtier.controller.ranks import Collective
-from kvtier.controller.split import RateBook
+from kvtier.controller.rates import RateBook
 from kvtier.controller.wiring import bind_host_pool, open_guarded_stores
 from kvtier.errors import ConfigError, LayoutMismatch
 from kvtier.index.radix import RadixIndex

@@ -34,6 +34,8 @@ def opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None,
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """The model and the reference engine that `kvtier serve` runs."""
+
     model: str = opt("tiny-llama", "Model: a Hugging Face model directory, or a preset "
                      "(tiny-llama, tiny-qwen2, llama3-8b-shape, qwen2.5-7b-shape).", alias="--model")
     device: str = opt("auto", "Device to run the model on.", choices=("auto", "cpu", "cuda"),
@@ -67,6 +69,8 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
+    """The tiered cache itself: on or off, page size, the device tier and its eviction policy."""
+
     enabled: bool = opt(True, "Use the tiered cache (false: the same engine with kvtier off, the "
                         "baseline).")
     page_size: int = opt(64, "Tokens per page, the unit of storage.", minimum=1, maximum=4096,
@@ -85,6 +89,8 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class HostConfig:
+    """The pinned host tier, the process's pinned-memory budget and how pages cross the bus."""
+
     pool_bytes: int = opt(2 << 30, "Bytes of the host (pinned) page pool; 0 turns the host tier "
                           "off. Left unset, kvtier serve sizes it to the model (twice the "
                           "device tier's full contexts), at most this default.", minimum=0,
@@ -102,6 +108,11 @@ class HostConfig:
                               "and write-back copies); 0: one program per SM. A store runs "
                               "beside the forward, which wants every SM; on the H200 16 "
                               "programs store at the bus rate as one per SM does.", minimum=0)
+    load_programs: int = opt(16, "Grid cap of the host->device copy kernels that load a hit "
+                             "layer by layer beside the forward; 0: one program per SM. The "
+                             "forward that overlaps the load wants the SMs; a hit that leaves "
+                             "almost nothing to compute (a whole prompt served from the host "
+                             "tier) is bus-bound and loads fastest on every SM.", minimum=0)
     copy_staging_bytes: int = opt(64 << 20, "Device staging per direction for the copy_engine "
                                   "path (at least one page).", minimum=1 << 20, size=True)
     prefetch_share: float = opt(0.5, "Share of the host pool reserved for prefetch landing; the "
@@ -112,6 +123,8 @@ class HostConfig:
 
 @dataclass(frozen=True)
 class StoreConfig:
+    """The store tiers below the host tier: a local disk (`file://`) and a shared Redis (`redis://`)."""
+
     disk_url: str = opt("", "Disk tier URL, e.g. file:///var/cache/kvtier (empty: off).",
                         alias="--disk")
     disk_max_bytes: int = opt(64 << 30, "Cap on disk tier bytes; older pages are evicted past it.",
@@ -128,6 +141,8 @@ class StoreConfig:
 
 @dataclass(frozen=True)
 class ControllerConfig:
+    """When pages move between tiers: write and prefetch policies, IO threads, deadlines, cache hints."""
+
     write_policy: str = opt("write_through", "When device pages get a host copy.",
                             choices=("write_through", "write_through_selective", "write_back"),
                             alias="--write-policy")
@@ -155,6 +170,8 @@ class ControllerConfig:
 
 @dataclass(frozen=True)
 class ServerConfig:
+    """`kvtier serve`'s HTTP server: address, keys, limits, logs and KV events."""
+
     host: str = opt("127.0.0.1", "Address to bind (loopback by default).", alias="--host")
     port: int = opt(8000, "Port to listen on.", minimum=0, maximum=65535, alias="--port")
     admin_key: str = opt("", "Bearer key of the admin API (empty: admin API disabled).",

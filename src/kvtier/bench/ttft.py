@@ -1,27 +1,32 @@
 """The TTFT benchmark's measurement: time to first token per cache tier and prefix length.
 
-Owns ``TtftPlan``, ``TIER_SPECS`` and ``run_ttft``. Every measured request is paired with a
-recompute of the same prompt length on the same model with kvtier off (``--no-cache``), so
-ratios compare runs taken seconds apart. For each prefix length and repeat, a fresh random
-prefix is sent once with kvtier on (the miss path, 0% hits, timed against recompute, the
-baseline first in one pair and kvtier first in the next), its pages settle into the tiers, then
-for each tier the tiers above it are dropped (and the page cache, for the disk) and the same
-prefix is sent with a new suffix. Runs the engine in-process
-(no HTTP, no web framework), so it runs where only torch and transformers are installed.
-Main thread; the engine thread does the work.
+Owns ``TtftPlan``, ``TIER_SPECS``, ``TtftRun`` and ``run_ttft`` (a whole run from a config: the
+plan, the model, the run with a progress bar, its summary with the goals of ``ttft_report`` and
+the setup). Every measured request is paired with a recompute of the same prompt length on the
+same model with kvtier off (``--no-cache``), so ratios compare runs taken seconds apart. For
+each prefix length and repeat, a fresh random prefix is sent once with kvtier on (the miss
+path, 0% hits, timed against recompute, the baseline first in one pair and kvtier first in the
+next), its pages settle into the tiers, then for each tier the tiers above it are dropped (and
+the page cache, for the disk) and the same prefix is sent with a new suffix. Runs the engine
+in-process (no HTTP, no web framework), so it runs where only torch and transformers are
+installed. Main thread; the engine thread does the work.
 """
 
 from __future__ import annotations
 
 import random
+import shutil
 import statistics
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from kvtier.bench.coldcache import drop_page_cache
+from kvtier.bench.ttft_report import goals
 from kvtier.config import KvtierConfig
-from kvtier.engine.hf import CausalLM
+from kvtier.engine.hf import CausalLM, load_model
 from kvtier.engine.request import GenerationRequest
 from kvtier.engine.service import EngineService
 
@@ -233,3 +238,67 @@ def summarize(run: TtftRun) -> dict[str, Any]:
 
 def _median_int(values: list[int]) -> int | None:
     return int(statistics.median(values)) if values else None
+
+
+def _plan(config: KvtierConfig, tiers: Sequence[str], prefix_tokens: Sequence[int],
+          repeats: int, suffix_tokens: int, whole_machine_drop: bool, scratch: Path) -> TtftPlan:
+    from kvtier.errors import ConfigError
+
+    for tier in tiers:
+        if tier not in TIER_NAMES:
+            raise ConfigError("--tiers", tier, ", ".join(TIER_NAMES))
+    if any(t.startswith("redis") for t in tiers) and not config.store.remote_url:
+        raise ConfigError("--redis", "", "a redis:// URL when a redis tier is measured")
+    disk_url = config.store.disk_url or f"file://{scratch}/disk"
+    return TtftPlan(tuple(prefix_tokens), tuple(tiers), repeats, suffix_tokens,
+                    config.engine.seed, disk_url, config.store.remote_url, whole_machine_drop)
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="ttft", unit="run")
+
+
+def run_ttft(config: KvtierConfig, *, tiers: Sequence[str], prefix_tokens: Sequence[int],
+             repeats: int, suffix_tokens: int, cold_disk: str, progress: bool) -> dict[str, Any]:
+    """Load the model of ``config`` and measure every tier of ``tiers`` (``TIER_NAMES``) at
+    every length of ``prefix_tokens``; the summary, with the goals and the setup. A disk tier
+    without ``store.disk_url`` goes to a scratch directory, removed afterwards. ``cold_disk``:
+    ``fadvise`` (the store's files) or ``drop_caches`` (the whole machine, root). Ctrl-C ends
+    the run early and keeps what was measured (``interrupted`` true)."""
+    scratch = Path(tempfile.mkdtemp(prefix="kvtier-ttft-"))
+    try:
+        plan = _plan(config, tiers, prefix_tokens, repeats, suffix_tokens,
+                     cold_disk == "drop_caches", scratch)
+        lm = load_model(config.engine.model, device=config.engine.device,
+                        dtype=config.engine.dtype, seed=config.engine.seed,
+                        attention=config.engine.attention,
+                        deterministic=config.engine.deterministic)
+        bench = TtftRun(config, lm, plan)
+        bar = _progress(bench.steps(), progress)
+        if bar is not None:
+            bench.progress = lambda label: (bar.set_postfix_str(label), bar.update(1))
+        interrupted = False
+        try:
+            bench.run()
+        except KeyboardInterrupt:  # keep what was measured (SIGINT, e.g. from `timeout -s INT`)
+            interrupted = True
+        if bar is not None:
+            bar.close()
+        summary = summarize(bench)
+        summary["interrupted"] = interrupted
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    summary["goals"] = goals(summary)
+    summary["setup"] = {"model": lm.name, "device": str(lm.device), "dtype": lm.dtype_name,
+                        "page_size": config.cache.page_size, "repeats": plan.repeats,
+                        "suffix_tokens": plan.suffix_tokens, "tiers": list(plan.tiers),
+                        "prefix_tokens": list(plan.prefix_tokens),
+                        "host_pool_bytes": config.host.pool_bytes,
+                        "cold_disk": cold_disk,
+                        "prefetch_policy": config.controller.prefetch_policy,
+                        "fingerprint": lm.fingerprint}
+    return summary

@@ -5,19 +5,17 @@ prints the share of input tokens each tier served, evictions, promotions and dis
 the offline bound at the same total capacity, and writes JSON with ``--json``. ``--study DIR``
 runs the whole study instead (capacity curve for several policies and the bound, held-out
 halves, synthetic workloads, write policies on a host + disk hierarchy, policy overhead, prefill
-time saved) and writes ``replay_*`` JSON, table and plot into DIR. Main thread.
+time saved) and writes ``replay_*`` JSON, table and plot into DIR.
+
+The command's arguments only; the replay is ``kvtier.bench.trace_replay``. Main thread.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict
 from typing import Any
 
-from kvtier.machine import format_table, write_report
-from kvtier.replay.progress import progress_bar
-
-DEFAULT_TRACE = "../shared/traces/mooncake_conversation.jsonl"
+from kvtier.bench.trace_replay import DEFAULT_TRACE
 
 
 def _tokens(text: str) -> int:
@@ -64,56 +62,15 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(handler=run)
 
 
-def load_trace(args: argparse.Namespace) -> Any:
-    from kvtier.replay import synthetic
-    from kvtier.replay.trace import read_trace
-
-    if args.synthetic:
-        shape = synthetic.Shape(requests=args.limit or synthetic.Shape.requests,
-                                block_tokens=args.block_tokens)
-        return synthetic.make(args.synthetic, shape)
-    return read_trace(args.trace or DEFAULT_TRACE, args.block_tokens, args.limit)
-
-
 def run(args: argparse.Namespace) -> int:
+    from kvtier.bench import trace_replay
+
     if args.study:
-        from kvtier.replay.study import run_study
-
-        run_study(load_trace(args), args.study, progress=not args.no_progress)
-        return 0
-    from kvtier.index.eviction import make_eviction_policy
-    from kvtier.replay.bound import offline_bound
-    from kvtier.replay.simulator import ReplayConfig, replay
-
-    make_eviction_policy(args.policy)  # unknown names fail before the replay starts
-    trace = load_trace(args)
-    config = ReplayConfig(args.device_tokens, args.host_tokens, args.disk_tokens, args.policy,
-                          args.write_policy, args.block_tokens, spread_ids=not args.raw_ids)
-    with progress_bar(len(trace), config.label(), not args.no_progress) as bar:
-        result = replay(trace, config, timed=args.timing, progress=bar.update)
-    bound = None
-    if not args.no_bound:
-        capacity = sum(config.pages(t) for t in config.tiers())
-        with progress_bar(len(trace), "offline bound", not args.no_progress) as bar:
-            bound = offline_bound(trace, capacity, progress=bar.update)
-    print(summary_table(trace, result, bound))
-    if args.json:
-        data = {"trace": trace.summary(), "result": result.to_dict(),
-                "offline_bound": None if bound is None else asdict(bound) | {"share": bound.share}}
-        write_report(args.json, "replay", data)
-    return 0
-
-
-def summary_table(trace: Any, result: Any, bound: Any) -> str:
-    rows: list[list[Any]] = []
-    for tier in result.config.tiers():
-        rows.append([tier, result.config.pages(tier), f"{100 * result.share(tier):.2f}",
-                     result.evicted_pages[tier], result.written_pages[tier]])
-    rows.append(["all", "", f"{100 * result.served_share:.2f}", "", ""])
-    if bound is not None:
-        rows.append(["offline bound", bound.capacity_blocks, f"{100 * bound.share:.2f}", "", ""])
-    head = (f"{trace.name}: {len(trace)} requests, {trace.input_tokens} input tokens, policy "
-            f"{result.config.policy}, {result.config.write_policy}, {result.elapsed_s:.1f} s\n")
-    promoted = ", ".join(f"{k} {v}" for k, v in sorted(result.promoted_pages.items())) or "none"
-    table = format_table(["tier", "pages", "served %", "evicted pages", "written pages"], rows)
-    return head + table + f"\npromoted pages: {promoted}"
+        return trace_replay.run_study(args.trace, args.synthetic, args.block_tokens, args.limit,
+                                      args.study, progress=not args.no_progress)
+    return trace_replay.run(
+        args.trace, args.synthetic, args.limit, device_tokens=args.device_tokens,
+        host_tokens=args.host_tokens, disk_tokens=args.disk_tokens, policy=args.policy,
+        write_policy=args.write_policy, block_tokens=args.block_tokens,
+        spread_ids=not args.raw_ids, bound=not args.no_bound, timed=args.timing,
+        progress=not args.no_progress, json_path=args.json)

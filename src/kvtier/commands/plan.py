@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     probed: dict[str, float] = {}
     if args.probe:
-        from kvtier.commands.plan_probe import probe_all
+        from kvtier.bench.rate_probes import probe_all
 
         probed = probe_all(config, args.probe_bytes, args.probe_dir)
     result = plan(inputs_from(args, config, probed), reference_hit_tokens=args.hit_tokens)

@@ -20,7 +20,7 @@ from kvtier.keys import KeyNamespace, PageKey, chain_keys
 from kvtier.store.base import PageStore
 
 if TYPE_CHECKING:
-    from kvtier.controller.split import RateBook
+    from kvtier.controller.rates import RateBook
     from kvtier.controller.workers import IOWorkers
     from kvtier.memory.admission import WriteAdmission
     from kvtier.memory.device_pool import DevicePool

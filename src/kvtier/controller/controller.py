@@ -26,7 +26,8 @@ from kvtier.controller.loadback import LoadBack
 from kvtier.controller.lookup import Lookup
 from kvtier.controller.prefetch import Prefetcher
 from kvtier.controller.ranks import Collective, RankAgreement
-from kvtier.controller.split import RateBook, plan_split
+from kvtier.controller.rates import RateBook
+from kvtier.controller.split import plan_split
 from kvtier.controller.writes import HostWriter
 from kvtier.hints import CacheHint
 from kvtier.index.radix import as_token_bytes, salt_bytes

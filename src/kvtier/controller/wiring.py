@@ -59,7 +59,8 @@ def bind_host_pool(ctx: CacheContext, pool: HostPool | None, config: KvtierConfi
 
         store_config = KernelConfig(max_programs=host.store_programs)
     ctx.copy = CopyEngine(ctx.device_pool, pool, path=host.copy_path,
-                          staging_bytes=host.copy_staging_bytes, store_config=store_config)
+                          staging_bytes=host.copy_staging_bytes, store_config=store_config,
+                          layerwise_programs=host.load_programs)
     if restart_workers or ctx.stores:
         ctrl = config.controller
         ctx.workers = IOWorkers(pool, ctrl.io_workers, ctrl.io_queue_depth)

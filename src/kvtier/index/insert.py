@@ -3,26 +3,24 @@
 Owns ``InsertWalk``: it follows the prompt's pages from the root (or along a walk already made,
 node by node), splits runs where the prompt departs from them or where the range ends, puts the
 tier on every node of the range that lacks it (closure permitting), grows one new node for the
-pages the tree lacks, collects the ids it did not take, and records the path it walked. Engine
-thread only; no torch.
+pages the tree lacks, collects the ids it did not take, and records the path it walked. It works
+on the index's ``Tree`` base (splits, residency, ledgers), never on ``RadixIndex`` itself, so the
+index imports the walk and not the other way round. Engine thread only; no torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from kvtier.index.residency import NO_IDS, TIERS, Node, TierLedger, make_ids
+from kvtier.index.tree import Tree
 from kvtier.index.walk import common_pages
-
-if TYPE_CHECKING:
-    from kvtier.index.radix import RadixIndex
 
 
 class InsertWalk:
     """One insert's walk down the tree (kept out of RadixIndex to keep functions short)."""
 
-    def __init__(self, index: RadixIndex, data: bytes, keys: Sequence[bytes] | None, t: int,
+    def __init__(self, index: Tree, data: bytes, keys: Sequence[bytes] | None, t: int,
                  ids: Sequence[int] | None, start: int, stop: int, strict: bool) -> None:
         self.index, self.data, self.keys, self.t = index, data, keys, t
         self.ids, self.start, self.stop, self.strict = ids, start, stop, strict

@@ -3,26 +3,25 @@
 Owns ``check_index``: one full walk of the tree that recomputes every count the index keeps
 incrementally and compares. Tests call it after every step; it costs O(nodes + pages), so
 production code does not. Raises ``AssertionError`` (never stripped by ``-O``: no ``assert``
-statements) naming the first broken law. Engine thread; no torch.
+statements) naming the first broken law. It reads the index through its ``Tree`` base (roots,
+ledgers, page size), so it does not import ``RadixIndex``. Engine thread; no torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn
 
-from kvtier.index.residency import NO_IDS, TIERS, Node
+from kvtier.index.residency import NO_IDS, TIERS, Node, TierLedger
+from kvtier.index.tree import Tree
 from kvtier.keys import KEY_BYTES
-
-if TYPE_CHECKING:
-    from kvtier.index.radix import RadixIndex
 
 
 def _fail(message: str) -> NoReturn:
     raise AssertionError(f"index integrity: {message}")
 
 
-def check_index(index: RadixIndex, outstanding: Mapping[str, int] | None = None) -> None:
+def check_index(index: Tree, outstanding: Mapping[str, int] | None = None) -> None:
     resident = [0] * len(TIERS)
     protected = [0] * len(TIERS)
     leaves = [0] * len(TIERS)
@@ -65,7 +64,7 @@ def _check_root(root: Node, salt: bytes) -> None:
         _fail(f"empty root kept for salt {salt!r}")
 
 
-def _check_node(index: RadixIndex, node: Node) -> None:
+def _check_node(index: Tree, node: Node) -> None:
     step = index.page_size * 4
     parent = node.parent
     if parent is None or parent.children.get(node.tokens[:step]) is not node:
@@ -95,7 +94,7 @@ def _check_node(index: RadixIndex, node: Node) -> None:
             _fail(f"{node!r} is on {TIERS[t]} but its parent is not (prefix closure)")
 
 
-def _check_ids(index: RadixIndex, node: Node, t: int, value: object, seen: set[int]) -> None:
+def _check_ids(index: Tree, node: Node, t: int, value: object, seen: set[int]) -> None:
     ledger = index.ledgers[t]
     if not ledger.has_ids:
         if value is not NO_IDS:
@@ -121,10 +120,7 @@ def _pool_size(allocator: object) -> int | None:
     return None
 
 
-def _check_pool(ledger: object, resident: int, outstanding: Mapping[str, int] | None) -> None:
-    from kvtier.index.residency import TierLedger
-
-    assert isinstance(ledger, TierLedger)
+def _check_pool(ledger: TierLedger, resident: int, outstanding: Mapping[str, int] | None) -> None:
     if ledger.allocator is None or outstanding is None:
         return
     size = _pool_size(ledger.allocator)

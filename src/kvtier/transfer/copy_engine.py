@@ -16,8 +16,9 @@ polls the event with a short sleep up to its timeout, and a consumer that needs 
 stream calls ``ticket.stream_wait()`` (a device-side dependency, no host wait).
 ``load_layerwise`` launches one kernel per layer with an event after each, so layer ``l`` of a
 forward pass can start as soon as its own KV has arrived (``ticket.stream_wait(layer=l)``).
-Those kernels run on a small grid (``LAYERWISE_LOAD_PROGRAMS``): the forward they overlap
-needs the SMs, and the bus does not (an 8B model's 4k-token host hit on the H200 reached its
+Those kernels run on a small grid (``layerwise_programs``, ``host.load_programs``, default
+``LAYERWISE_LOAD_PROGRAMS``; 0: one per SM): the forward they overlap needs the SMs, and the
+bus does not (an 8B model's 4k-token host hit on the H200 reached its
 first token in 13.6-14.1 ms with 8, 16 or 32 programs, 19.7 ms with one per SM:
 benchmarks/results/ttft_breakdown_graphs_h200.txt).
 
@@ -59,7 +60,7 @@ if TYPE_CHECKING:
     from kvtier.transfer.kernels import KernelConfig
     from kvtier.transfer.staged import StagedCopier
 
-#: Grid cap of layer-by-layer loads (when no ``load_config`` is given).
+#: Grid cap of layer-by-layer loads (when no ``load_config`` or ``layerwise_programs`` is given).
 LAYERWISE_LOAD_PROGRAMS = 16
 _FIRST_POLL_S = 20e-6
 _LONGEST_POLL_S = 1e-3
@@ -141,7 +142,8 @@ class CopyEngine:
                  use_kernels: bool | None = None,
                  load_config: KernelConfig | None = None,
                  store_config: KernelConfig | None = None, path: str = "kernel",
-                 staging_bytes: int = 64 << 20, batch_copy: BatchCopy | None = None) -> None:
+                 staging_bytes: int = 64 << 20, batch_copy: BatchCopy | None = None,
+                 layerwise_programs: int = LAYERWISE_LOAD_PROGRAMS) -> None:
         if device_pool.layout != host_pool.layout:
             raise LayoutMismatch(f"device pool {device_pool.layout.fingerprint()} vs host pool "
                                  f"{host_pool.layout.fingerprint()}")
@@ -158,7 +160,7 @@ class CopyEngine:
         if on_cuda:
             from kvtier.transfer.kernels import KernelConfig
 
-            self._layerwise_config = KernelConfig(max_programs=LAYERWISE_LOAD_PROGRAMS)
+            self._layerwise_config = KernelConfig(max_programs=layerwise_programs or None)
         self._streams = ({direction: _stream(self._device) for direction in ("load", "store")}
                          if on_cuda else {})
         self._counts = {"load": [0, 0, 0], "store": [0, 0, 0]}  # batches, pages, bytes

@@ -10,17 +10,22 @@ value and what is allowed::
 
 Store keys are the fields of kvtier's ``store`` config section (same names, checks and defaults);
 ``config`` names a kvtier YAML file read first, and ``KVTIER_*`` environment variables apply as
-everywhere else. Pure Python, no torch or vLLM imports; runs on the thread that builds the
-connector.
+everywhere else. ``model_fingerprint`` names the weights in every page key: left out, it is
+derived from the checkpoint vLLM loads (``kvtier.integrations.vllm.fingerprint``: config.json
+plus each weight file's name, size, header and sampled blocks, a few MiB read at start even for
+a 70B checkpoint), so a fine-tune written over its base never reads the base's pages; set it to
+make two checkpoints share pages on purpose, or where kvtier cannot read the weights. Pure
+Python, no torch or vLLM imports; runs on the thread that builds the connector.
 """
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvtier.config import KvtierConfig, StoreConfig, build_config
+from kvtier.config import KvtierConfig, StoreConfig, build_config, explicit_paths
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.saver import check_priority
 
@@ -37,9 +42,14 @@ CONFIG_KEYS: dict[str, str] = {
     "prefetch_timeout_max_s": "controller.prefetch_timeout_max_s",
     "io_workers": "controller.io_workers",
     "copy_path": "host.copy_path",
+    "load_programs": "host.load_programs",
+    "store_programs": "host.store_programs",
 }
 
-#: Staging pages (kvtier's own page pool between vLLM's blocks and the host tier) when unset.
+#: Staging pages (kvtier's own page pool between vLLM's blocks and the host tier) when unset:
+#: the floor, and the size on the CPU backend; on CUDA the runtime sizes the pool to hold two
+#: prompts of ``max_model_len`` (one loading, one being saved), at most half the GPU memory
+#: free when the connector starts (after vLLM has taken its share).
 DEFAULT_STAGING_PAGES = 256
 
 #: Prompts waiting to be stored when unset (see docs/architecture.md, "vLLM plug-ins").
@@ -51,7 +61,8 @@ class VllmConnectorOptions:
     """Everything the connector needs besides vLLM's own config."""
 
     config: KvtierConfig
-    #: Identifies the weights beyond vLLM's model name, so two fine-tunes never share pages.
+    #: Identifies the weights beyond vLLM's model name, so two fine-tunes never share pages;
+    #: empty: derived from the checkpoint (``fingerprint.model_fingerprint`` says how).
     model_fingerprint: str = ""
     #: kvtier page size taken from vLLM's block size (no ``page_size`` key given).
     page_size_from_block: bool = True
@@ -59,6 +70,9 @@ class VllmConnectorOptions:
     save_queue_depth: int = DEFAULT_SAVE_QUEUE_DEPTH
     #: CPU scheduling class of the saver thread and kvtier's IO threads: ``idle`` or ``normal``.
     background_priority: str = "idle"
+    #: No ``staging_pages`` key given: on CUDA the runtime sizes the staging pool from vLLM's
+    #: ``max_model_len`` and the free GPU memory (``runtime.default_staging_pages``).
+    staging_from_default: bool = False
 
     @property
     def store(self) -> StoreConfig:
@@ -79,7 +93,13 @@ def parse_connector_config(extra: Mapping[str, Any] | None, block_size: int,
     flags: dict[str, Any] = {f"store.{k}": v for k, v in section.items() if k in STORE_FIELDS}
     flags.update({CONFIG_KEYS[k]: v for k, v in section.items() if k in CONFIG_KEYS})
     flags.setdefault("cache.page_size", block_size)
-    flags.setdefault("cache.device_pages", DEFAULT_STAGING_PAGES)
+    # Staging pages set nowhere (key, config file, KVTIER_* variable): the floor here, sized to
+    # the model and the GPU when the runtime is built (``runtime.default_staging_pages``).
+    set_elsewhere = explicit_paths(argparse.Namespace(config=section.get("config")), env)
+    staging_from_default = "staging_pages" not in section \
+        and "cache.device_pages" not in set_elsewhere
+    if staging_from_default:
+        flags["cache.device_pages"] = DEFAULT_STAGING_PAGES
     fingerprint = section.get("model_fingerprint", "")
     if not isinstance(fingerprint, str):
         raise ConfigError("kv_connector_extra_config.model_fingerprint", fingerprint, "a string")
@@ -94,4 +114,5 @@ def parse_connector_config(extra: Mapping[str, Any] | None, block_size: int,
     check_priority(priority)
     return VllmConnectorOptions(config=config, model_fingerprint=fingerprint,
                                 page_size_from_block="page_size" not in section,
-                                save_queue_depth=depth, background_priority=priority)
+                                save_queue_depth=depth, background_priority=priority,
+                                staging_from_default=staging_from_default)

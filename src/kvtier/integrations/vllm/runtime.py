@@ -28,7 +28,7 @@ cache is built on that thread, so the IO threads it starts inherit its idle CPU 
 from __future__ import annotations
 
 import atexit
-import hashlib
+import dataclasses
 import logging
 import threading
 import time
@@ -39,7 +39,8 @@ from typing import Any
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.compat import transfer_groups
 from kvtier.integrations.vllm.events import ConnectorEvents
-from kvtier.integrations.vllm.options import VllmConnectorOptions
+from kvtier.integrations.vllm.fingerprint import model_fingerprint
+from kvtier.integrations.vllm.options import DEFAULT_STAGING_PAGES, VllmConnectorOptions
 from kvtier.integrations.vllm.saver import Saver
 from kvtier.integrations.vllm.shared_pool import SharedPool
 from kvtier.keys import KeyNamespace
@@ -143,15 +144,6 @@ def _why_not_restorable(specs: list[Any]) -> str:
 def _kinds(specs: list[Any]) -> list[str]:
     return [type(s).__name__ + (f"(window={s.sliding_window})"
                                 if getattr(s, "sliding_window", None) else "") for s in specs]
-
-
-def model_fingerprint(vllm_config: Any, given: str) -> str:
-    """The user's fingerprint, else a digest of the model's config and revision."""
-    if given:
-        return given
-    model_config = vllm_config.model_config
-    text = model_config.hf_config.to_json_string() + str(model_config.revision)
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 class ConnectorRuntime:
@@ -288,6 +280,9 @@ def _build(vllm_config: Any, kv_cache_config: Any, options: VllmConnectorOptions
     namespace = KeyNamespace(shape.model, model_fingerprint(vllm_config, options.model_fingerprint),
                              shape.dtype, layout.fingerprint(), page_size)
     device = "cpu" if ranked else _device(vllm_config)
+    if options.staging_from_default and device.startswith("cuda"):
+        options = with_staging_pages(options, default_staging_pages(
+            vllm_config.model_config.max_model_len, layout, _free_gpu_bytes(device)))
     shared = _shared_pool(vllm_config, options, layout) if ranked else None
     saver = Saver(options.save_queue_depth, options.background_priority)
     try:
@@ -309,7 +304,33 @@ def _build(vllm_config: Any, kv_cache_config: Any, options: VllmConnectorOptions
                                                     ("remote", options.store.remote_url)) if u],
              f"{shape.tp_size} worker process(es) over a shared staging pool" if ranked
              else "worker in this process")
+    staging = options.config.cache.device_pages
+    log.info("kvtier connector: staging pool of %d pages (%.2f GiB on %s): prompts up to %d "
+             "tokens are saved whole, longer ones are not stored (counted "
+             "saves_refused_no_staging); the staging_pages key changes it", staging,
+             staging * layout.page_bytes / 2**30, device, staging * page_size)
     return runtime
+
+
+def default_staging_pages(max_model_len: int, layout: KVLayout, free_gpu_bytes: int) -> int:
+    """Staging pages when none are configured: two prompts of ``max_model_len`` (one loading
+    while another is saved), at most half the GPU memory free now (vLLM has taken its share
+    when the connector starts), never under ``DEFAULT_STAGING_PAGES``."""
+    wanted = 2 * -(-max(1, int(max_model_len)) // layout.page_size)
+    room = free_gpu_bytes // 2 // layout.page_bytes
+    return max(DEFAULT_STAGING_PAGES, min(wanted, room))
+
+
+def with_staging_pages(options: VllmConnectorOptions, pages: int) -> VllmConnectorOptions:
+    config = options.config
+    cache = dataclasses.replace(config.cache, device_pages=pages)
+    return dataclasses.replace(options, config=dataclasses.replace(config, cache=cache))
+
+
+def _free_gpu_bytes(device: str) -> int:
+    import torch
+
+    return int(torch.cuda.mem_get_info(torch.device(device))[0])
 
 
 def _shared_pool(vllm_config: Any, options: VllmConnectorOptions, layout: KVLayout) -> SharedPool:

@@ -108,6 +108,9 @@ class SaveCopier:
         block = rt.shape.block_size
         table = torch.tensor(spec.block_ids, dtype=torch.long)
         slots = table[tokens // block] * block + tokens % block
+        device = rt.cache.device_pool.kv.device
+        if device.type == "cuda":       # uploaded once, not at every layer (a host wait each)
+            rows, slots = rows.to(device, non_blocking=True), slots.to(device, non_blocking=True)
         save = PromptSave(spec, rows, slots, held + fresh, fresh, handles=handles)
         if page % block == 0:           # whole blocks into sub-pages (``block_view``)
             per_page = page // block
@@ -155,9 +158,12 @@ class SaveCopier:
 
     def commit(self, save: PromptSave) -> None:
         """Index and write the copied pages (the write policy takes over from here)."""
+        if save.ready is not None:      # the forward's copies: poll, not a spinning wait
+            pause = 2e-5
+            while not save.ready.query():
+                time.sleep(pause)
+                pause = min(2 * pause, 1e-3)
         rt, started = self.runtime, time.thread_time()
-        if save.ready is not None:
-            save.ready.synchronize()
         with rt.lock:
             rt.counts["save_copy_cpu_us"] += save.copy_cpu_us
             if save.layers_copied < self.num_layers:

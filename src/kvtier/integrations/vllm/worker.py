@@ -146,7 +146,7 @@ class WorkerSide:
         rows = pages[(tokens - loaded.start_tokens) // page] * page + tokens % page
         slots = self._slots(spec.block_ids, tokens)
         if self.blocks is None:
-            return _Move(spec.req_id, rows, slots, loaded)
+            return _Move(spec.req_id, *self._upload(rows, slots), loaded)
         # Blocks inside [start, end) move whole (from their sub-pages, ``block_view``), the
         # rest by row.
         block = self.runtime.shape.block_size
@@ -156,11 +156,20 @@ class WorkerSide:
         held = pages[(starts - loaded.start_tokens) // page]
         block_pages = held * (page // block) + starts % page // block
         page_ids, block_ids = block_pages.numpy(), np.asarray(spec.block_ids[first:stop])
-        move = _Move(spec.req_id, rows[~whole], slots[~whole], loaded)
+        move = _Move(spec.req_id, *self._upload(rows[~whole], slots[~whole]), loaded)
         if len(page_ids):
             move.plan = self.blocks.plan("load", page_ids, block_ids)
             move.ids = self.blocks.ids(move.plan, self.blocks.pool.device)
         return move
+
+    def _upload(self, rows: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row indices on the pool's device, uploaded once for every layer: indexing a CUDA
+        tensor with a CPU index uploads it and waits on the host each time, which would stall
+        the forward's launches behind each layer's copy (a few host waits per layer)."""
+        device = self.runtime.cache.device_pool.kv.device
+        if device.type != "cuda":
+            return rows, slots
+        return rows.to(device, non_blocking=True), slots.to(device, non_blocking=True)
 
     def _fail_load(self, spec: LoadSpec, loaded: Any) -> None:
         block = self.runtime.shape.block_size

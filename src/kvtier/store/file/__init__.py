@@ -3,8 +3,9 @@
 The package: ``store`` (``FileStore``, the page-store contract), ``segment`` (record layout and
 manifest), ``record_io`` (record reads and writes), ``index`` and ``journal`` (the shared index),
 ``segment_files`` (open segment descriptors), ``evict`` (capacity and crash leftovers),
-``options`` (URL options and the ``file://`` URL's path) and ``tools`` (maintenance views).
-Importing the package gives ``FileStore``.
+``options`` (URL options and the ``file://`` URL's path), ``handle`` (what ``site``, ``damage``
+and ``health`` see of a store) and ``tools`` (maintenance views). Importing the package gives
+``FileStore``.
 """
 
 from kvtier.store.file.store import FileStore

@@ -22,14 +22,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
+from kvtier.store.file.handle import StoreHandle
 from kvtier.store.file.index import SLOT_BITS, SLOT_MASK
 from kvtier.store.file.journal import OP_DELETE, Entry
 from kvtier.store.record import Verdict
-
-if TYPE_CHECKING:
-    from kvtier.store.file.store import FileStore
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +34,7 @@ log = logging.getLogger(__name__)
 class DamagedPages:
     """Drops the records one ``FileStore`` handle found damaged (see the module docstring)."""
 
-    def __init__(self, store: FileStore) -> None:
+    def __init__(self, store: StoreHandle) -> None:
         self.store = store
 
     def drop(self, keys: Sequence[bytes], locs: Sequence[int | None], found: Sequence[bool],

@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from kvtier.config import format_size
 from kvtier.store.base import Probe
+from kvtier.store.file.handle import StoreHandle
 from kvtier.store.file.segment import MANIFEST
-
-if TYPE_CHECKING:
-    from kvtier.store.file.store import FileStore
 
 
 def manifest_identity(root: Path) -> tuple[int, int]:
@@ -29,7 +26,7 @@ def manifest_identity(root: Path) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
-def probe_file_store(store: FileStore) -> Probe:
+def probe_file_store(store: StoreHandle) -> Probe:
     root = store.root
     detail = capacity_detail(store)
     try:
@@ -47,7 +44,7 @@ def probe_file_store(store: FileStore) -> Probe:
     return Probe(detail=detail)
 
 
-def capacity_detail(store: FileStore) -> str:
+def capacity_detail(store: StoreHandle) -> str:
     """What bounds writes: free space and its floor, segment bytes and their cap."""
     options, record = store.options, store.layout.record_bytes
     parts = []

@@ -19,6 +19,7 @@ append after power loss) is cut back at open.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import struct
@@ -105,6 +106,9 @@ class Journal:
         self.pos = 0
         self.entries = 0  # entries in the current generation
         self.bad_entries = 0
+        #: The directory cannot be written (a read-only mount, no write permission): the
+        #: journal is loaded and tailed, every append raises OSError.
+        self.read_only = False
 
     # ---- paths ---------------------------------------------------------------------------
     def _journal(self, gen: int) -> Path:
@@ -156,7 +160,14 @@ class Journal:
 
     def _open_gen(self, gen: int, create: bool = False) -> None:
         flags = os.O_RDWR | os.O_APPEND | (os.O_CREAT if create else 0)
-        fd = os.open(self._journal(gen), flags, 0o644)
+        try:
+            fd = os.open(self._journal(gen), flags, 0o644)
+            self.read_only = False
+        except OSError as exc:
+            if exc.errno not in (errno.EROFS, errno.EACCES):
+                raise
+            fd = os.open(self._journal(gen), os.O_RDONLY)  # its pages are served all the same
+            self.read_only = True
         if self.fd >= 0:
             os.close(self.fd)
         self.fd, self.gen, self.pos, self.entries = fd, gen, 0, 0
@@ -165,7 +176,7 @@ class Journal:
         """Cut a torn final entry (power loss mid-append) so later appends stay framed."""
         with self.locked():
             size = os.fstat(self.fd).st_size
-            if size % ENTRY_BYTES:
+            if size % ENTRY_BYTES and not self.read_only:  # read only: tail() stops before it
                 os.ftruncate(self.fd, size - size % ENTRY_BYTES)
 
     # ---- tailing -------------------------------------------------------------------------
@@ -258,6 +269,8 @@ class Journal:
                 return
 
     def _write_locked(self, encoded: list[bytes]) -> None:
+        if self.read_only:
+            raise OSError(errno.EROFS, f"{self.root} is read-only: nothing is journaled")
         data = b"".join(encoded)
         start = os.fstat(self.fd).st_size
         try:

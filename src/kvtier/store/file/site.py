@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING
 
+from kvtier.store.file.handle import StoreHandle
 from kvtier.store.file.index import split
 from kvtier.store.file.journal import OP_EVICT, Entry
 from kvtier.store.file.segment import segment_path
 from kvtier.store.file.segment_files import owned_by_a_writer
 from kvtier.store.record import Verdict
-
-if TYPE_CHECKING:
-    from kvtier.store.file.store import FileStore
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +28,7 @@ REINSERT_BATCH = 16
 class SegmentSite:
     """``evict.Site`` over one ``FileStore``."""
 
-    def __init__(self, store: FileStore) -> None:
+    def __init__(self, store: StoreHandle) -> None:
         self.store = store
         self.root = store.root
         self.counters = store.counters

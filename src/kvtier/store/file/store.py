@@ -22,7 +22,9 @@ Directory::
 URL: ``file:///abs/path?max_bytes=64GiB&min_free_bytes=1GiB&segment_bytes=256MiB&verify=full
 &direct=false&fsync=false``. ``verify=header`` skips the payload checksum on whole-page reads
 (header, key, length and the payload's place are still checked); ``fsync=true`` makes every acknowledged write
-durable across power loss (without it, across process crashes).
+durable across power loss (without it, across process crashes). A directory that cannot be
+written (a read-only mount, no write permission) opens read-only: its pages are served, every
+write is refused (counted).
 """
 
 from __future__ import annotations
@@ -110,7 +112,11 @@ class FileStore(PageStore):
         self.damage = DamagedPages(self)
         try:
             self.open_seconds = self._load()
-            self.evictor.clean_leftovers()
+            if self.journal.read_only:
+                log.warning("file store %s is read-only: its pages are served, every write "
+                            "is refused", self.root)
+            else:
+                self.evictor.clean_leftovers()
         except StoreUnavailable:
             self.close()
             raise
@@ -248,6 +254,9 @@ class FileStore(PageStore):
                 raise ValueError(f"a page key is {KEY_BYTES} bytes, got {len(key)}")
         if not keys:
             return []
+        if self.journal.read_only:  # nothing can be journaled: refused before any IO
+            self.counters.add(refused=len(keys))
+            return [False] * len(keys)
         if not self.evictor.make_room(len(keys)):
             self.counters.add(refused=len(keys))
             return [False] * len(keys)

@@ -1,4 +1,4 @@
-"""``kvtier plan --probe``: measure the rates the planner needs on this machine.
+"""The rate probes behind ``kvtier plan --probe``: measure the rates the planner needs here.
 
 Owns three short probes, each moving ``nbytes``: host (pinned host-to-device copies when CUDA is
 present, else host memory copies), disk (page-sized writes with fsync, then reads that bypass the

@@ -8,7 +8,7 @@ call). Writes: the same pages written sequentially with ``os.pwritev`` into one 
 thread in the store directory, then ``fdatasync`` of each (the store's write time includes the
 same flush of its files).
 
-Besides ``measure`` (the contract of ``bench_store``), this module offers one pass at a time
+Besides ``measure`` (the contract of ``store_throughput``), this module offers one pass at a time
 (``RawReads``, ``write_pass``), so that the benchmark interleaves raw and store passes round by
 round on a shared machine. Runs on the benchmark's main thread and its worker threads.
 """
@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier.commands.bench_store import aligned_pages, drop_caches, run_batches
+from kvtier.bench.page_io import aligned_pages, drop_caches, run_batches
 from kvtier.store.base import PageStore
 
 METHOD = ("os.preadv of each payload in the store's segment files; os.pwritev of the same pages "
@@ -93,7 +93,7 @@ def write_pass(store: Any, pages: int, sources: Sequence[memoryview], threads: i
 
 def measure(url: str, *, store: PageStore, keys: Sequence[bytes], sources: Sequence[memoryview],
             threads: int, batch: int, cold: bool, repeats: int) -> dict[str, Any]:
-    """Raw read and write rates of the bytes the store benchmark moved (see bench_store)."""
+    """Raw read and write rates of the bytes the store benchmark moved (see store_throughput)."""
     gb = len(keys) * store.page_bytes / 1e9
     reads = RawReads(store, keys, threads, batch)
     try:

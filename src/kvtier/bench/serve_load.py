@@ -2,7 +2,8 @@
 
 Owns ``send`` (one streamed ``/v1/completions`` request over the standard library's
 ``http.client``: time to the first text, the gaps between text chunks, the usage block with
-kvtier's cached tokens per tier), ``run_load`` (a workload at a fixed concurrency, or as Poisson
+the server's cached prompt tokens, ``prompt_tokens_details.cached_tokens``, and kvtier's per
+tier), ``run_load`` (a workload at a fixed concurrency, or as Poisson
 arrivals at a request rate, each request on its own thread) and ``summarize`` (percentiles,
 throughput, cached share per tier). No third-party client, so it runs wherever Python does.
 Threads: the caller's plus one per request in flight.
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvtier.commands.serve_workloads import ServeRequest
+from kvtier.bench.serve_workloads import ServeRequest
 
 TIERS = ("device", "host", "disk", "remote")
 
@@ -36,6 +37,8 @@ class RequestResult:
     itl_s: list[float] = field(default_factory=list)
     cached_by_tier: dict[str, int] = field(default_factory=dict)
     error: str = ""
+    #: ``usage.prompt_tokens_details.cached_tokens`` (any OpenAI-compatible server that reports it).
+    cached_tokens: int = 0
 
 
 def _connection(base: str, timeout: float) -> http.client.HTTPConnection:
@@ -102,6 +105,8 @@ def _read_stream(response: Any, result: RequestResult, started: float) -> None:
         usage = chunk.get("usage")
         if usage:
             result.completion_tokens = int(usage.get("completion_tokens", 0))
+            details = usage.get("prompt_tokens_details") or {}
+            result.cached_tokens = int(details.get("cached_tokens") or 0)
             by_tier = (usage.get("kvtier") or {}).get("cached_tokens_by_tier") or {}
             result.cached_by_tier = {t: int(by_tier.get(t, 0)) for t in TIERS}
         # A token's chunk: the server sends one per generated token, its text possibly empty
@@ -151,7 +156,8 @@ def _pct(values: list[float], q: float) -> float | None:
 
 
 def summarize(results: list[RequestResult], wall_s: float) -> dict[str, Any]:
-    """Throughput, TTFT / ITL / latency percentiles (ms), cached share of prompt tokens."""
+    """Throughput, TTFT / ITL / latency percentiles (ms), cached share of prompt tokens (all of
+    it as the server reports it, ``cached_tokens_share``, and kvtier's per tier)."""
     ok = [r for r in results if r.ok]
     ttft = [r.ttft_s * 1e3 for r in ok if r.ttft_s is not None]
     itl = [gap * 1e3 for r in ok for gap in r.itl_s]
@@ -162,6 +168,7 @@ def summarize(results: list[RequestResult], wall_s: float) -> dict[str, Any]:
         "requests": len(results), "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
         "wall_s": round(wall_s, 3), "prompt_tokens": prompt, "generated_tokens": generated,
+        "requests_per_s": round(len(ok) / wall_s, 3) if wall_s else None,
         "output_tokens_per_s": round(generated / wall_s, 2) if wall_s else None,
         "total_tokens_per_s": round((prompt + generated) / wall_s, 2) if wall_s else None,
         "ttft_ms_p50": _pct(ttft, 0.5), "ttft_ms_p99": _pct(ttft, 0.99),
@@ -169,4 +176,6 @@ def summarize(results: list[RequestResult], wall_s: float) -> dict[str, Any]:
         "itl_ms_p50": _pct(itl, 0.5), "itl_ms_p99": _pct(itl, 0.99),
         "latency_ms_p50": _pct([r.latency_s * 1e3 for r in ok], 0.5),
         "cached_share": {t: round(cached[t] / prompt, 4) if prompt else 0.0 for t in TIERS},
+        "cached_tokens_share": round(sum(r.cached_tokens for r in ok) / prompt, 4) if prompt
+        else 0.0,
     }

@@ -1,6 +1,7 @@
-"""Prompts for ``kvtier bench serve``: random, shared-prefix groups, multi-turn from a trace.
+"""Prompts for ``kvtier bench serve``: random, shared-prefix groups, multi-turn from a trace or
+synthetic.
 
-Owns ``ServeRequest`` (token-id prompt, tokens to generate, a tenant) and the three workload
+Owns ``ServeRequest`` (token-id prompt, tokens to generate, a tenant) and the four workload
 builders. Prompts are token ids, so every server gets exactly the same tokens whatever its
 tokenizer. Ids come from seeded ``random.Random`` streams, identical across processes.
 
@@ -10,7 +11,13 @@ block id becomes a fixed run of ``block_tokens`` token ids, a prompt is its bloc
 order cut to its input length scaled by ``block_tokens / 512``, so the trace's lengths and its
 prefix structure (which turns share which leading blocks) carry over at any scale. Whole
 conversations are taken (their turns are minutes apart in the trace, so the trace's first
-requests alone would share little more than the system block). Main thread.
+requests alone would share little more than the system block).
+
+``conversations`` builds multi-turn chats without a trace: every turn re-sends the whole
+history (a system prompt all conversations share, then each earlier turn's user message and a
+reply) plus a new user message. The replies are fixed seeded tokens standing for the
+assistant's earlier answers, not what a server generated, so every server gets the same
+prompts. Main thread.
 """
 
 from __future__ import annotations
@@ -89,3 +96,25 @@ def _turn(record: dict, block_tokens: int, scale: float, max_output: int,
 
 def _block(hash_id: int, block_tokens: int, vocab: int) -> list[int]:
     return _ids(random.Random(f"block-{hash_id}"), block_tokens, vocab)
+
+
+def conversations(count: int, turns: int, system_len: int, user_len: int, reply_len: int,
+                  output_len: int, vocab: int, seed: int = 0) -> list[ServeRequest]:
+    """``count`` conversations of ``turns`` turns, turn by turn: all first turns (conversation
+    order), then all second turns, and so on. Turn ``t`` (from 0) of a conversation is the shared
+    ``system_len``-token system prompt, then for each earlier turn its ``user_len``-token user
+    message and ``reply_len``-token reply, then turn ``t``'s user message: ``system_len + (t + 1)
+    * user_len + t * reply_len`` tokens, the previous turn's prompt being its prefix."""
+    if count < 1 or turns < 1:
+        raise ValueError(f"count and turns must be >= 1, got {count} and {turns}")
+    rng = random.Random(f"conversations-{seed}")
+    system = _ids(rng, system_len, vocab)
+    chats = [[(_ids(rng, user_len, vocab), _ids(rng, reply_len, vocab)) for _ in range(turns)]
+             for _ in range(count)]
+    out = []
+    for turn in range(turns):
+        for c, chat in enumerate(chats):
+            history = [t for user, reply in chat[:turn] for t in (*user, *reply)]
+            out.append(ServeRequest(tuple(system + history + chat[turn][0]), output_len,
+                                    tenant=f"conversation-{c}"))
+    return out

@@ -1,0 +1,51 @@
+"""The vLLM connector's staging pool when none is configured: sized to the model and the GPU.
+
+``options.parse_connector_config`` says whether the size was set anywhere (the connector key,
+a kvtier config file, a ``KVTIER_*`` variable); ``runtime.default_staging_pages`` sizes it.
+Pure Python: runs without vLLM.
+"""
+
+from __future__ import annotations
+
+from kvtier.integrations.vllm.options import DEFAULT_STAGING_PAGES, parse_connector_config
+from kvtier.integrations.vllm.runtime import default_staging_pages, with_staging_pages
+from kvtier.layout import KVLayout
+
+# llama3-8b's KV at vLLM's block of 16 tokens: 2 MiB a page.
+LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16", page_size=16)
+GIB = 1 << 30
+
+
+def test_unset_staging_is_marked_for_sizing_and_starts_at_the_floor() -> None:
+    options = parse_connector_config({"host_pool_bytes": "1GiB"}, 16, env={})
+    assert options.staging_from_default
+    assert options.config.cache.device_pages == DEFAULT_STAGING_PAGES
+
+
+def test_staging_set_by_key_or_environment_is_kept() -> None:
+    keyed = parse_connector_config({"staging_pages": 100}, 16, env={})
+    assert not keyed.staging_from_default and keyed.config.cache.device_pages == 100
+    env = parse_connector_config({}, 16, env={"KVTIER_CACHE__DEVICE_PAGES": "300"})
+    assert not env.staging_from_default and env.config.cache.device_pages == 300
+
+
+def test_default_holds_two_prompts_of_the_longest_context() -> None:
+    # 32k tokens = 2048 pages; two prompts = 4096 pages = 8 GiB, with 40 GiB free.
+    assert default_staging_pages(32768, LAYOUT, 40 * GIB) == 4096
+    # A context shorter than the floor keeps the floor.
+    assert default_staging_pages(2048, LAYOUT, 40 * GIB) == DEFAULT_STAGING_PAGES
+
+
+def test_default_takes_at_most_half_the_free_gpu_memory() -> None:
+    # 4 GiB free: at most 2 GiB of staging = 1024 pages, though 128k tokens would want 16384.
+    assert default_staging_pages(131072, LAYOUT, 4 * GIB) == 1024
+    # Almost nothing free: the floor (the pool the connector always had).
+    assert default_staging_pages(131072, LAYOUT, 64 << 20) == DEFAULT_STAGING_PAGES
+
+
+def test_sized_options_carry_the_new_pool_and_nothing_else() -> None:
+    options = parse_connector_config({"host_pool_bytes": "1GiB"}, 16, env={})
+    sized = with_staging_pages(options, 4096)
+    assert sized.config.cache.device_pages == 4096
+    assert sized.config.host == options.config.host
+    assert sized.model_fingerprint == options.model_fingerprint
