@@ -385,8 +385,11 @@ def build_model_dir(preset: str, dest: Path) -> None:
 
 
 def run_child(args: argparse.Namespace, case: str, mode: str, timeout_s: float,
-              logf: Any) -> dict[str, Any]:
-    cmd = [sys.executable, "-u", __file__, "--case", case, "--mode", mode, *args.child_argv]
+              logf: Any, script: str = __file__) -> dict[str, Any]:
+    """Run ``script --case CASE --mode MODE`` (and ``args.child_argv``) in a fresh process,
+    killed after ``timeout_s``; its ``@@RESULT`` line is the result (or an error and the tail
+    of its output)."""
+    cmd = [sys.executable, "-u", script, "--case", case, "--mode", mode, *args.child_argv]
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONUNBUFFERED="1")
     result: dict[str, Any] = {"case": case, "mode": mode, "ok": False, "lengths": {}}
     logf.write(f"\n===== {case} / {mode} =====\n")

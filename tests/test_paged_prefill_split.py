@@ -1,6 +1,6 @@
 """The paged prefill kernels (under TRITON_INTERPRET=1 on the CPU, bit-exact on the GPU in
-``tests/test_parity_gpu.py``): the split launch gives the serial kernel's bits for queries
-over pasts on and off the chunk size, and the serial kernel's chunked sum still equals plain
+``tests/test_parity_gpu.py``): the split launch gives the flash kernel's bits for queries
+over pasts on and off the chunk size, and the flash kernel's chunked sum still equals plain
 attention; a query's result does not depend on the block it sits in."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ paged_triton = pytest.importorskip("kvtier.engine.paged_triton")
 from kvtier.engine import paged_prefill_split  # noqa: E402
 
 PAGE, KV_HEADS, N_REP, DIM = 16, 2, 4, 16
-CHUNK = paged_triton.CHUNK_TOKENS
+CHUNK = 2 * paged_triton.BLOCK_N   # small chunks: many boundaries in few keys
 
 
 def _pages(tokens: int, seed: int = 0):
@@ -47,11 +47,13 @@ def test_the_split_launch_gives_the_serial_kernels_bits(start, count):
     k, v, table = _pages(start + count)
     query = torch.randn(count, KV_HEADS * N_REP, DIM, generator=torch.Generator().manual_seed(3))
     blocks = _blocks(start, count, paged_triton.MAX_ROWS // N_REP)
-    serial = paged_triton.paged_attention(query, k, v, table, blocks, 0.25, int(blocks[0, 2]))
+    serial = paged_triton.paged_attention(query, k, v, table, blocks, 0.25, int(blocks[0, 2]),
+                                          chunk=CHUNK)
     chunks = -(-(start + count) // CHUNK) + 1
     parts = paged_prefill_split.partials(blocks.shape[0] + 1, KV_HEADS, chunks, DIM, query.device)
     split = paged_prefill_split.split_prefill(query, k, v, table, blocks, 0.25,
-                                              torch.full_like(query, float("nan")), parts)
+                                              torch.full_like(query, float("nan")), parts,
+                                              chunk=CHUNK)
     assert torch.equal(split, serial)
     torch.testing.assert_close(serial, _reference(query, k, v, table, start), rtol=1e-5,
                                atol=1e-5)
@@ -64,7 +66,8 @@ def test_a_query_gets_the_same_bits_in_any_block():
     results = []
     for per_block in (16, 5, 1):
         blocks = _blocks(start, count, per_block)
-        results.append(paged_triton.paged_attention(query, k, v, table, blocks, 0.25, per_block))
+        results.append(paged_triton.paged_attention(query, k, v, table, blocks, 0.25, per_block,
+                                                    chunk=CHUNK))
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
 
 

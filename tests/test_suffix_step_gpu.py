@@ -1,6 +1,8 @@
 """A lone hit's suffix on the GPU: replayed from captured paged graphs it gives the eager
 batched step's logits (the same kernels: bit-identical in bf16 and fp32 up to the GEMMs' row
-count) and the same greedy tokens, for device and host hits, with the graphs really serving."""
+count) and the same greedy tokens, for device and host hits, with the graphs really serving;
+the flash prefill kernel gives a prompt the same bits whole, in steps and as a suffix, and the
+split launch gives its bits."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("kv_heads,n_rep,dim,page", [(8, 4, 128, 64), (2, 7, 64, 16)])
 @pytest.mark.parametrize("start,count", [(0, 300), (255, 1), (4096, 8), (33000, 32)])
-def test_the_split_prefill_gives_the_serial_kernels_bits(dtype, kv_heads, n_rep, dim, page,
+def test_the_split_prefill_gives_the_flash_kernels_bits(dtype, kv_heads, n_rep, dim, page,
                                                          start, count):
     from kvtier.engine import paged_prefill_split, paged_triton
 
@@ -41,6 +43,37 @@ def test_the_split_prefill_gives_the_serial_kernels_bits(dtype, kv_heads, n_rep,
     split = paged_prefill_split.split_prefill(query, k, v, table, blocks, dim ** -0.5,
                                               torch.empty_like(query), parts)
     assert torch.equal(split, serial)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("page", [64, 16])
+def test_a_prompt_whole_in_steps_and_as_a_suffix_gives_the_same_bits(dtype, page):
+    """The flash kernel on the tensor cores (bf16) and in IEEE fp32: any split of a prompt
+    into steps, and its end as a hit's suffix, give the whole prompt's bits."""
+    from kvtier.engine import paged_triton
+
+    kv_heads, n_rep, dim, total = 8, 4, 128, 5000
+    gen = torch.Generator(device="cuda").manual_seed(page)
+    pages = -(-total // page)
+    k = torch.randn(pages, page, kv_heads, dim, device="cuda", generator=gen).to(dtype)
+    v = torch.randn(pages, page, kv_heads, dim, device="cuda", generator=gen).to(dtype)
+    table = torch.randperm(pages, device="cuda", generator=gen)[None].to(torch.int32)
+    query = torch.randn(total, kv_heads * n_rep, dim, device="cuda", generator=gen).to(dtype)
+    per = paged_triton.tokens_per_tile(n_rep)
+
+    def run(start: int, count: int) -> torch.Tensor:
+        blocks = torch.as_tensor([(0, off, min(per, count - off), start + off)
+                                  for off in range(0, count, per)], dtype=torch.int32,
+                                 device="cuda")
+        return paged_triton.paged_attention(query[start:start + count], k, v, table, blocks,
+                                            dim ** -0.5, per)
+
+    whole = run(0, total)
+    for size in (2048, 1000, 77):
+        steps = torch.cat([run(s, min(size, total - s)) for s in range(0, total, size)])
+        assert torch.equal(steps, whole), size
+    for past in (4096, total - 33, total - 1):
+        assert torch.equal(run(past, total - past), whole[past:]), past
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -1,18 +1,31 @@
-"""Paged attention on CUDA: a Triton kernel that reads keys and values in place in pool pages.
+"""Paged prefill on CUDA: a flash-attention Triton kernel that reads keys and values in pool pages.
 
-Owns ``paged_attention_kernel`` and ``TritonBatch`` (its launch for one step of
-``kvtier.engine.paged.PagedBatch``). Decode rows (one new token) go to the split-KV kernels of
-``kvtier.engine.paged_split``, which spread a long past over many programs; the rest (prefill
-chunks) run here. Work is cut into query blocks: up to ``BLOCK_TOKENS``
-consecutive new tokens of one sequence (one token for a decode). One program takes one query
-block and one KV head, with the query rows of every query head that shares it (grouped-query
-attention needs no copies), walks that sequence's page table ``BLOCK_N`` key positions at a
-time (each position's page looked up in the table, so any page size works), applies the causal
-mask (query at position ``p`` sees keys ``0 .. p``) and keeps an online softmax in fp32. The
-sizes that change every step (tokens, blocks, table width) are not specialized on, so one
-compile serves every batch. fp32 runs the dots in IEEE precision (no TF32), so a sequence's
-greedy output does not depend on its batch. Tested on the CPU under ``TRITON_INTERPRET=1``
-against the PyTorch path. Engine thread only.
+Owns ``flash_prefill_kernel``, its launch ``paged_attention`` and ``TritonBatch`` (the launch
+for one step of ``kvtier.engine.paged.PagedBatch``). Decode rows (one new token) go to the
+split-KV kernels of ``kvtier.engine.paged_split``, which spread a long past over many
+programs; the rest (prompts, prompt chunks, a hit's suffix) run here.
+
+Work is cut into tiles of ``MAX_ROWS`` query rows: up to ``MAX_ROWS // n_rep`` consecutive new
+tokens of one sequence times the ``n_rep`` query heads sharing one KV head (grouped-query
+attention packed into the tile, no copies). One program takes one tile and one KV head and
+walks the sequence's keys from position 0 in blocks of ``BLOCK_N``: a block's page is found
+with one table lookup when pages hold whole blocks (any page size works, one lookup per key
+otherwise); blocks every row of the tile sees whole run without a mask, only the last few
+(the causal diagonal) are masked, and blocks past the tile's last query are never read. The
+softmax is online in fp32 with the dots in bf16/fp16 on the tensor cores, fp32 in IEEE
+precision (no TF32).
+
+The numerics contract (a hit's tokens are a recompute's): the sums over keys are
+``kvtier.engine.paged_tiles``'s, chunks of ``CHUNK_TOKENS`` keys from position 0, each summed
+from scratch block by block and folded in key order, the same for every query row whatever
+its tile, the tile's size or how the prompt was split into steps. So a prompt computed whole,
+in chunks and as a hit's suffix (here or in the split launch of ``paged_prefill_split``) gives
+the same bits. ``num_warps``/``num_stages`` come from a small autotune keyed on head_dim and
+dtype (``CONFIGS``: the pipeline depth, on a fixed 8 warps shared with the split launch).
+
+The sizes that change every step (tokens, tiles, table width) are not specialized on, so one
+compile serves every batch. Tested on the CPU under ``TRITON_INTERPRET=1`` against the PyTorch
+path. Engine thread only.
 """
 
 from __future__ import annotations
@@ -25,75 +38,55 @@ import triton
 import triton.language as tl
 
 from kvtier.engine import paged_split
-from kvtier.engine.rounding import dot_at
+from kvtier.engine.paged_tiles import (
+    BLOCK_N,
+    CHUNK_TOKENS,
+    MAX_ROWS,
+    NUM_WARPS,
+    attend_block,
+    check_chunk,
+    load_block,
+    merge_chunk,
+    page_run,
+    precision_for,
+)
+from kvtier.engine.rounding import INTERPRET
 
-BLOCK_N = 32
-#: Query rows (tokens x query heads per KV head) one program holds: always this many, so that
-#: a query's dots run in one tile shape whatever its step holds.
-MAX_ROWS = 64
-#: Keys per chunk of the online softmax: a query's keys are summed in chunks from position 0,
-#: each chunk from scratch, folded in order (``merge_chunk``), so that the split launch of
-#: ``paged_split_prefill`` (one program per chunk) computes the same bits as this serial one.
-CHUNK_TOKENS = 256
+__all__ = ["BLOCK_N", "CHUNK_TOKENS", "CONFIGS", "MAX_ROWS", "NUM_WARPS", "TritonBatch",
+           "paged_attention",
+           "tokens_per_tile"]
 
-
-@triton.jit
-def chunk_softmax(q, k_ptr, v_ptr, table_ptr, seq, max_pages, page_size, sk_tok, sk_h, kv_head,
-                  chunk_start, chunk_end, last_visible, scale_log2,
-                  HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                  PRECISION: tl.constexpr):
-    """Keys ``[chunk_start, chunk_end)`` of one sequence for ``BLOCK_R`` query rows (causal:
-    a row sees keys up to its ``last_visible``): the chunk's running maximum, sum and
-    unnormalized output in fp32. A row that sees none of them gets (-inf, 0, 0)."""
-    dims = tl.arange(0, HEAD_DIM)
-    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_R], tl.float32)
-    acc = tl.zeros([BLOCK_R, HEAD_DIM], tl.float32)
-    for start in range(chunk_start, chunk_end, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        col_ok = cols < chunk_end
-        page = tl.load(table_ptr + seq * max_pages + cols // page_size, mask=col_ok, other=0)
-        slot = page.to(tl.int64) * page_size + cols % page_size
-        offsets = slot[:, None] * sk_tok + kv_head * sk_h + dims[None, :]
-        k = tl.load(k_ptr + offsets, mask=col_ok[:, None], other=0.0)
-        scores = dot_at(q, tl.trans(k), PRECISION) * scale_log2
-        visible = col_ok[None, :] & (cols[None, :] <= last_visible[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(scores - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + offsets, mask=col_ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + dot_at(p.to(v.dtype), v, PRECISION)
-        m_i = m_new
-    return m_i, l_i, acc
-
-
-@triton.jit
-def merge_chunk(m_run, l_run, acc_run, m_s, l_s, acc_s):
-    """Fold one chunk's partial into the running one (chunks in key order). A chunk a row
-    does not see (-inf, 0, 0) leaves the row's running values exactly as they were."""
-    m_new = tl.maximum(m_run, m_s)
-    alpha = tl.exp2(m_run - m_new)
-    beta = tl.exp2(m_s - m_new)
-    return m_new, l_run * alpha + l_s * beta, acc_run * alpha[:, None] + acc_s * beta[:, None]
+#: The autotune's candidates: software-pipeline depths (``num_stages``) 2, 3 and 4 on 8 warps.
+#: Two or more stages of K/V blocks (32 KiB a stage in bf16 at head_dim 128) fit shared
+#: memory beside the query tile; fp32 tiles double that, where the deeper configs fail to fit
+#: and drop out; which depth wins depends on the GPU, so it is measured once per (head_dim,
+#: dtype) and process, on the first launch. ``num_warps`` stays 8: a 128-row tile holds two
+#: fp32 accumulators (the chunk's and the running one), 128 registers a thread on 8 warps at
+#: head_dim 128 (ptxas for sm_90a: 255 registers, a few bytes of spills), where 4 warps spill
+#: ~2.8 KB a thread; and the warps decide how a row's sums are laid out over threads, so the
+#: split launch (``paged_prefill_split``, also 8 warps) could otherwise sum a row in another
+#: order. A stage count changes only when loads are issued, never a sum's order.
+CONFIGS = [triton.Config({}, num_warps=NUM_WARPS, num_stages=s) for s in (2, 3, 4)]
 
 
 @triton.jit(do_not_specialize=["max_pages"])
-def paged_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, blocks_ptr,
-                           sq_t, sq_h, sk_tok, sk_h, max_pages, n_rep, page_size, scale_log2,
-                           HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
-                           BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr):
-    """One query block (row of ``blocks``: sequence, first query, queries, first position)
-    and one KV head, its keys in ``CHUNK``-key chunks from position 0, folded in order."""
-    block = tl.program_id(0)
+def flash_prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, blocks_ptr,
+                         sq_t, sq_h, sk_tok, sk_h, max_pages, n_rep, page_size, scale_log2,
+                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         CHUNK: tl.constexpr, PER_CHUNK: tl.constexpr,
+                         PAGE_RUN: tl.constexpr, PRECISION: tl.constexpr):
+    """One tile (row of ``blocks``: sequence, first query, queries, first position) and one
+    KV head: chunks of ``CHUNK`` keys (``PER_CHUNK`` blocks) from position 0, each summed from
+    scratch and folded in order; masks only in the chunks the diagonal crosses."""
+    # the last tiles first: a causal prompt's later tiles read the most keys, and starting them
+    # first keeps short ones for the end of the launch (no long tail on a few SMs)
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
-    seq = tl.load(blocks_ptr + block * 4)
-    q_first = tl.load(blocks_ptr + block * 4 + 1)
-    q_count = tl.load(blocks_ptr + block * 4 + 2)
-    pos_first = tl.load(blocks_ptr + block * 4 + 3)
-    rows = tl.arange(0, BLOCK_R)
+    seq = tl.load(blocks_ptr + tile * 4)
+    q_first = tl.load(blocks_ptr + tile * 4 + 1)
+    q_count = tl.load(blocks_ptr + tile * 4 + 2)
+    pos_first = tl.load(blocks_ptr + tile * 4 + 3)
+    rows = tl.arange(0, BLOCK_M)
     token = rows // n_rep
     row_ok = token < q_count
     q_head = kv_head * n_rep + rows % n_rep
@@ -102,24 +95,53 @@ def paged_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, blocks_ptr,
                 + dims[None, :], mask=row_ok[:, None], other=0.0)
     last_visible = pos_first + token
     n_keys = pos_first + q_count
-    m_run, l_run, acc_run = chunk_softmax(
-        q, k_ptr, v_ptr, table_ptr, seq, max_pages, page_size, sk_tok, sk_h, kv_head, 0,
-        tl.minimum(CHUNK, n_keys), last_visible, scale_log2, HEAD_DIM, BLOCK_R, BLOCK_N,
-        PRECISION)
-    for chunk_start in range(CHUNK, n_keys, CHUNK):
-        m_s, l_s, acc_s = chunk_softmax(
-            q, k_ptr, v_ptr, table_ptr, seq, max_pages, page_size, sk_tok, sk_h, kv_head,
-            chunk_start, tl.minimum(chunk_start + CHUNK, n_keys), last_visible, scale_log2,
-            HEAD_DIM, BLOCK_R, BLOCK_N, PRECISION)
-        m_run, l_run, acc_run = merge_chunk(m_run, l_run, acc_run, m_s, l_s, acc_s)
+    n_blocks = tl.cdiv(n_keys, BLOCK_N)
+    n_full = (pos_first + 1) // BLOCK_N      # blocks every row of the tile sees whole
+    m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_run = tl.zeros([BLOCK_M], tl.float32)
+    acc_run = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    # Chunks every row sees whole: a clean inner loop of unmasked blocks (software-pipelined,
+    # the tensor-core products asynchronous), the fold between inner loops. A fold inside the
+    # block loop would serialize the products (the chunk's accumulator read between them).
+    for c in range(0, n_full // PER_CHUNK):
+        m_c = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_c = tl.zeros([BLOCK_M], tl.float32)
+        acc_c = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        for start in range(c * CHUNK, c * CHUNK + CHUNK, BLOCK_N):
+            k, v = load_block(k_ptr, v_ptr, table_ptr, seq, max_pages, page_size, sk_tok, sk_h,
+                              kv_head, start, n_keys, HEAD_DIM, BLOCK_N, PAGE_RUN, False)
+            m_c, l_c, acc_c = attend_block(q, k, v, m_c, l_c, acc_c, start, n_keys,
+                                           last_visible, scale_log2, BLOCK_N, False, PRECISION)
+        m_run, l_run, acc_run = merge_chunk(m_run, l_run, acc_run, m_c, l_c, acc_c, scale_log2)
+    # The chunk(s) the causal diagonal crosses: unmasked blocks first, then the masked ones.
+    for c in range(n_full // PER_CHUNK, tl.cdiv(n_blocks, PER_CHUNK)):
+        m_c = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_c = tl.zeros([BLOCK_M], tl.float32)
+        acc_c = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        chunk_end = tl.minimum(c * CHUNK + CHUNK, n_keys)
+        full_end = tl.minimum(chunk_end, n_full * BLOCK_N)
+        for start in range(c * CHUNK, full_end, BLOCK_N):
+            k, v = load_block(k_ptr, v_ptr, table_ptr, seq, max_pages, page_size, sk_tok, sk_h,
+                              kv_head, start, n_keys, HEAD_DIM, BLOCK_N, PAGE_RUN, False)
+            m_c, l_c, acc_c = attend_block(q, k, v, m_c, l_c, acc_c, start, n_keys,
+                                           last_visible, scale_log2, BLOCK_N, False, PRECISION)
+        for start in range(tl.maximum(full_end, c * CHUNK), chunk_end, BLOCK_N):
+            k, v = load_block(k_ptr, v_ptr, table_ptr, seq, max_pages, page_size, sk_tok, sk_h,
+                              kv_head, start, n_keys, HEAD_DIM, BLOCK_N, PAGE_RUN, True)
+            m_c, l_c, acc_c = attend_block(q, k, v, m_c, l_c, acc_c, start, n_keys,
+                                           last_visible, scale_log2, BLOCK_N, True, PRECISION)
+        m_run, l_run, acc_run = merge_chunk(m_run, l_run, acc_run, m_c, l_c, acc_c, scale_log2)
     acc_run = acc_run / tl.where(l_run > 0.0, l_run, 1.0)[:, None]
     out_row = (q_first + token) * tl.num_programs(1) * n_rep + q_head  # out is [T, heads, dim]
     out_offsets = out_row[:, None] * HEAD_DIM + dims[None, :]
     tl.store(out_ptr + out_offsets, acc_run.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
+_tuned_kernel = triton.autotune(configs=CONFIGS, key=["HEAD_DIM"])(flash_prefill_kernel)
+
+
 class TritonBatch:
-    """Page tables and query blocks of one step as device tensors (built once per step)."""
+    """Page tables and query tiles of one step as device tensors (built once per step)."""
 
     def __init__(self, rows: Sequence[Any], q_starts: Sequence[int], page_size: int,
                  device: torch.device) -> None:
@@ -142,12 +164,12 @@ class TritonBatch:
         return cls(rows, q_starts, page_size, device)
 
     def blocks(self, n_rep: int) -> tuple[torch.Tensor, int]:
-        """``[blocks, 4]`` int32 (sequence, first query, queries, first position) and the
-        most queries a block holds."""
+        """``[tiles, 4]`` int32 (sequence, first query, queries, first position) and the
+        most queries a tile holds."""
         cached = self._blocks.get(n_rep)
         if cached is not None:
             return cached
-        per_block = max(1, MAX_ROWS // n_rep)
+        per_block = tokens_per_tile(n_rep)
         out = []
         for i, (row, first) in enumerate(zip(self.rows, self.q_starts, strict=True)):
             if len(row.tokens) == 1:
@@ -173,12 +195,20 @@ class TritonBatch:
         return out
 
 
+def tokens_per_tile(n_rep: int) -> int:
+    """New tokens one tile holds with ``n_rep`` query heads per KV head."""
+    return max(1, MAX_ROWS // n_rep)
+
+
 def paged_attention(query: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor,
                     table: torch.Tensor, blocks: torch.Tensor, scaling: float,
-                    longest: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                    longest: int, out: torch.Tensor | None = None, *,
+                    chunk: int = CHUNK_TOKENS) -> torch.Tensor:
     """Launch the kernel: ``table`` ``[sequences, pages]`` int32, ``blocks`` as
-    ``TritonBatch.blocks``, ``longest`` the most queries in one block; writes the blocks'
-    rows of ``out`` (new when None) and returns it."""
+    ``TritonBatch.blocks``, ``longest`` the most queries in one tile; writes the tiles'
+    rows of ``out`` (new when None) and returns it. ``chunk`` (keys a chunk sums from
+    scratch, a multiple of ``BLOCK_N``) is the engine's ``CHUNK_TOKENS``; tests take small
+    ones to cross many chunk boundaries in few keys."""
     total, heads, dim = query.shape
     kv_heads = key_pages.shape[2]
     if heads % kv_heads or dim & (dim - 1) or dim < 16:
@@ -187,15 +217,20 @@ def paged_attention(query: torch.Tensor, key_pages: torch.Tensor, value_pages: t
     if not key_pages.is_contiguous() or not value_pages.is_contiguous() or query.stride(-1) != 1:
         raise ValueError("pages must be contiguous and queries contiguous in their last dim")
     n_rep = heads // kv_heads
-    if longest * n_rep > MAX_ROWS and longest > 1:
-        raise ValueError(f"a query block holds at most {MAX_ROWS} rows, got {longest} x {n_rep}")
-    block_r = max(MAX_ROWS, triton.next_power_of_2(n_rep))
+    check_chunk(chunk)
+    if n_rep > MAX_ROWS or longest > tokens_per_tile(n_rep):
+        raise ValueError(f"a query tile holds at most {MAX_ROWS} rows, got {longest} x {n_rep}")
     if out is None:
         out = torch.empty((total, heads, dim), dtype=query.dtype, device=query.device)
-    paged_attention_kernel[(blocks.shape[0], kv_heads)](
-        query, key_pages, value_pages, out, table, blocks,
-        query.stride(0), query.stride(1), key_pages.stride(1), key_pages.stride(2),
-        table.shape[1], n_rep, key_pages.shape[1], scaling * 1.4426950408889634,
-        HEAD_DIM=dim, BLOCK_R=block_r, BLOCK_N=BLOCK_N, CHUNK=CHUNK_TOKENS,
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32")
+    args = (query, key_pages, value_pages, out, table, blocks,
+            query.stride(0), query.stride(1), key_pages.stride(1), key_pages.stride(2),
+            table.shape[1], n_rep, key_pages.shape[1], scaling * 1.4426950408889634)
+    constants = dict(HEAD_DIM=dim, BLOCK_M=MAX_ROWS, BLOCK_N=BLOCK_N,
+                     CHUNK=chunk, PER_CHUNK=chunk // BLOCK_N,
+                     PAGE_RUN=page_run(key_pages.shape[1]), PRECISION=precision_for(query.dtype))
+    grid = (blocks.shape[0], kv_heads)
+    if INTERPRET:   # no timing on the CPU: one config
+        flash_prefill_kernel[grid](*args, **constants, num_warps=NUM_WARPS)
+    else:
+        _tuned_kernel[grid](*args, **constants)
     return out

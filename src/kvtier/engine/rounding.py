@@ -1,14 +1,14 @@
 """Triton helpers that round and multiply the way the GPU does, in compiled and interpreted runs.
 
 Owns ``round_to`` (an fp32 value rounded to bf16, fp16 or fp32, to nearest with ties to even,
-returned in fp32), ``dot`` (a tile product with fp32 accumulation) and ``INTERPRET`` (whether
-Triton runs in its CPU interpreter). The interpreter's own casts truncate fp32 to bf16, and its
-``tl.dot`` mishandles bf16 operands; the GPU rounds to nearest and multiplies bf16 exactly into
-fp32. These helpers give both the GPU's results, so the CPU tests check what the GPU computes:
-``round_to`` rounds with integer bit operations (the same on every backend; a NaN may come back
-as an infinity), ``dot`` multiplies fp32 copies of bf16/fp16 tiles in the interpreter (each
-product of two bf16 or fp16 values is exact in fp32, as in the tensor cores) and fp32 tiles in
-full fp32 (no TF32).
+returned in fp32), ``dot``, ``dot_at`` and ``dot_acc`` (tile products with fp32 accumulation)
+and ``INTERPRET`` (whether Triton runs in its CPU interpreter). The interpreter's own casts
+truncate fp32 to bf16, and its ``tl.dot`` mishandles bf16 operands; the GPU rounds to nearest
+and multiplies bf16 exactly into fp32. These helpers give both the GPU's results, so the CPU
+tests check what the GPU computes: ``round_to`` rounds with integer bit operations (the same on
+every backend; a NaN may come back as an infinity), ``dot`` multiplies fp32 copies of bf16/fp16
+tiles in the interpreter (each product of two bf16 or fp16 values is exact in fp32, as in the
+tensor cores) and fp32 tiles in full fp32 (no TF32).
 
 In the interpreter ``dot`` sums each output over the shared dimension itself rather than
 calling ``tl.dot``: the interpreter's ``tl.dot`` is numpy's matmul, i.e. the machine's BLAS, and
@@ -65,6 +65,16 @@ def dot_at(a, b, PRECISION: tl.constexpr):
         return _summed_dot(a, b)
     else:
         return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def dot_acc(a, b, acc, PRECISION: tl.constexpr):
+    """``acc + a @ b`` (``tl.dot``'s accumulating form, the products summed into ``acc`` by
+    the tensor cores) on the GPU; in the interpreter, ``acc`` plus the fixed-order product."""
+    if _INTERPRET_DOT:
+        return acc + _summed_dot(a, b)
+    else:
+        return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
 @triton.jit

@@ -7,12 +7,13 @@ exactly one row, that row finishes its prompt and its new tokens fit a bucket (8
 powers of two), the step replays graphs captured once per bucket: one for the embedding and
 rotary, one per decoder layer, one for the last position's logits.
 
-The graphs compute exactly what the batched step computes: each layer writes the new tokens'
-KV into the row's own pages and attends them with the same paged kernel over the device pool
-(``paged_triton``), so a hit's first token does not depend on whether its step was captured
-(parity with a no-cache run, measured in ``benchmarks/serve_parity.py``). Between layer
-replays the current stream waits on the device for that layer's host copy only (a host hit
-still crossing the bus), so loading keeps overlapping the forward.
+The graphs compute exactly what the batched step computes: each layer writes the new tokens' KV
+into the row's own pages and attends them with the same paged kernels over the device pool
+(``paged_triton``, or its split launch: the same bits), so a hit's first token does not depend
+on whether its step was captured (parity with a no-cache run, measured in
+``benchmarks/serve_parity.py``). Between layer replays the current stream waits on the device
+for that layer's host copy only (a host hit still crossing the bus), so loading keeps
+overlapping the forward.
 
 Static buffers (``StaticSuffix``): token ids, positions, KV slots, a page table of
 ``capacity_tokens`` / page size pages, the kernel's query blocks, hidden state, rotary cos/sin
@@ -39,17 +40,17 @@ from kvtier.engine import paged
 BUCKETS = (8, 16, 32, 64, 128)
 MAX_TOKENS = BUCKETS[-1]
 #: Buckets up to this many new tokens attend with the split launch (``paged_prefill_split``):
-#: a few tokens give the serial kernel a handful of programs over the whole past. Larger
+#: a few tokens give the flash kernel a handful of programs over the whole past. Larger
 #: buckets have query blocks enough, and their partials would cost 2-4x the memory.
 SPLIT_BUCKET = 32
 #: Longest past + new tokens the captured steps serve (on CUDA): the split partials are sized
-#: for it (``SPLIT_BUCKET`` tokens x query heads x 256 chunks x head_dim in fp32: 134 MB for
-#: an 8B model's 32 x 128). A longer hit steps eagerly; its load (hundreds of milliseconds)
+#: for it (``SPLIT_BUCKET`` tokens x query heads x 64 chunks of 1024 keys x head_dim in fp32:
+#: 34 MB for an 8B model's 32 x 128). A longer hit steps eagerly; its load (hundreds of milliseconds)
 #: dwarfs the eager forward's launches.
 MAX_PAST_TOKENS = 65536
-#: Query rows one program of the paged kernel holds, as ``paged_triton.MAX_ROWS`` (kept here
+#: Query rows one tile of the paged kernels holds, as ``paged_tiles.MAX_ROWS`` (kept here
 #: so that this module imports without Triton; a test checks they agree).
-MAX_ROWS = 64
+MAX_ROWS = 128
 
 
 def bucket_for(tokens: int) -> int:
@@ -64,7 +65,7 @@ class StaticSuffix:
                  backend: str, parts: Any = None) -> None:
         device, config = pool.device, lm.config
         self.pool, self.bucket, self.width, self.backend = pool, bucket, width, backend
-        self.parts = parts   # split-launch partials (``paged_prefill_split``), or None: serial
+        self.parts = parts   # split-launch partials (``paged_prefill_split``), or None: the flash kernel
         self.page_size, self.scratch_page = int(pool.shape[3]), scratch_page
         n_rep = config.num_attention_heads // int(pool.shape[4])
         self.per_block = max(1, MAX_ROWS // n_rep)
@@ -247,7 +248,7 @@ class SuffixStep:
 
     def _split_parts(self, pool: torch.Tensor, bucket: int) -> Any:
         """The split partials (allocated once, for ``SPLIT_BUCKET``) for a split bucket on
-        CUDA; None where the serial kernel runs."""
+        CUDA; None where the flash kernel runs."""
         if self.backend != "triton" or bucket > SPLIT_BUCKET:
             return None
         if self._parts is None:
