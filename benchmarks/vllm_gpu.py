@@ -58,6 +58,7 @@ CASES = ("recompute", "alone", "native", "kvtier", *VARIANTS, "disk_store", "dis
 KVTIER_CASES = ("kvtier", *VARIANTS, "disk_store", "disk_hit")
 TOKEN_LOW, TOKEN_HIGH = 5, 1000            # ordinary tokens of kvtier's tiny tokenizer
 GEN_TOKENS = 16
+TOP_LOGPROBS = 8
 THROUGHPUT_PROMPT, THROUGHPUT_NEW = 4980, 128
 
 
@@ -125,13 +126,16 @@ class Case:
         self.res["init_s"] = round(time.perf_counter() - started, 1)
         log(f"{self.name}/{self.mode}: engine built in {self.res['init_s']} s")
 
-    def gen(self, ids: list[int], max_tokens: int = 1) -> tuple[float, list[int], int]:
+    def gen(self, ids: list[int], max_tokens: int = 1,
+            logprobs: int | None = None) -> tuple[float, list[int], int]:
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                                detokenize=False)
+                                detokenize=False, logprobs=logprobs)
         started = time.perf_counter()
         out = self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+        self.last_logprobs = ({str(t): float(lp.logprob) for t, lp in out.outputs[0].logprobs[0]
+                               .items()} if logprobs and out.outputs[0].logprobs else None)
         return (time.perf_counter() - started, list(out.outputs[0].token_ids),
                 int(out.num_cached_tokens or 0))
 
@@ -220,8 +224,11 @@ class Case:
         """16 greedy tokens, from the state the measured runs were in (a hit where there is one)."""
         if self.name in ("native", "disk_hit") or self.name.startswith("kvtier"):
             self.drop_gpu_copies()
-        _, toks, cached = self.gen(p, GEN_TOKENS)
+        _, toks, cached = self.gen(p, GEN_TOKENS, logprobs=TOP_LOGPROBS)
         r["tokens16"], r["tokens16_cached"] = toks, cached
+        # With random weights greedy tokens barely depend on the context (a hit served from
+        # empty blocks can still match them); the first token's top logprobs do depend on it.
+        r["first_logprobs"] = self.last_logprobs
 
     def case_recompute(self, p: list[int], r: dict[str, Any], timed: bool) -> None:
         runs = [self.gen(p, 1) for _ in range(self.args.repeats if timed else 0)]
@@ -262,6 +269,13 @@ class Case:
         r["ttft_s"], r["cached"] = [t for t, _, _ in hits], [c for _, _, c in hits]
         if self.name in KVTIER_CASES:
             r["hit_tokens_by_tier"] = by_tier
+            # A claimed hit whose layers were never copied into vLLM's blocks read whatever
+            # they held: not a hit (the timing would flatter it), and a wrong answer.
+            bad = sum(1 for d in by_tier if d.get("claimed_tokens") and
+                      not d.get("load_layer_copies"))
+            if bad:
+                self.res.setdefault("warnings", []).append(
+                    f"{len(p)} tokens: {bad} claimed hit(s) copied no layer into vLLM's blocks")
         if timed and self.args.profile:
             self.drop_gpu_copies(tiers)
             r["profile"] = self.profiled(p)
@@ -437,6 +451,10 @@ def summarize(args: argparse.Namespace, results: list[dict[str, Any]]) -> dict[s
                 run_mode = args.disk_mode if case in ("disk_store", "disk_hit") else mode
                 return by.get((case, run_mode), {}).get("lengths", {}).get(key, {}).get(field)
 
+            want_lp = cell("recompute", "first_logprobs")
+            lp_diff = {c: _logprob_gap(want_lp, cell(c, "first_logprobs"))
+                       for c in ("alone", "native", "kvtier", *VARIANTS, "disk_hit")
+                       if cell(c, "first_logprobs")}
             want = cell("recompute", "tokens16")
             agree = {c: (cell(c, "tokens16") == want if want and cell(c, "tokens16") else None)
                      for c in ("alone", "native", "kvtier", *VARIANTS, "disk_hit")}
@@ -448,7 +466,8 @@ def summarize(args: argparse.Namespace, results: list[dict[str, Any]]) -> dict[s
                     "kvtier_unseen_ms": cell("kvtier", "unseen_ttft_ms"),
                     "kvtier_cached": cell("kvtier", "cached"),
                     "native_cached": cell("native", "cached"),
-                    "tokens_equal": agree}
+                    "tokens_equal": agree,
+                    "first_token_logprob_gap": lp_diff}
             ratio = _ratio
             line["kvtier_over_native"] = ratio(line["kvtier_host_hit_ms"], line["native_hit_ms"])
             for variant in VARIANTS:
@@ -465,6 +484,11 @@ def summarize(args: argparse.Namespace, results: list[dict[str, Any]]) -> dict[s
                          line["miss_over_alone"],
                          " ".join(f"{c}={'y' if v else ('n' if v is False else '-')}"
                                   for c, v in agree.items())])
+        for length in (*args.lengths, *args.check_lengths):
+            gaps = table[str(length)]["first_token_logprob_gap"]
+            if gaps:
+                print(f"{length} tokens: first token's top-{TOP_LOGPROBS} logprobs, largest gap "
+                      "to recompute's: " + ", ".join(f"{c} {g}" for c, g in gaps.items()))
         variants = [(length, v, table[str(length)][f"{v}_host_hit_ms"],
                      table[str(length)][f"{v}_over_native"],
                      table[str(length)][f"{v}_miss_over_alone"]) for length in args.lengths
@@ -503,6 +527,16 @@ def summarize(args: argparse.Namespace, results: list[dict[str, Any]]) -> dict[s
     return summary
 
 
+def _logprob_gap(want: dict[str, float] | None, got: dict[str, float] | None) -> float | None:
+    """Largest |logprob difference| over the recompute's top tokens (a token missing from the
+    hit's top list counts as its whole logprob): about 0.1 or less is bf16 noise between two
+    batch shapes; a hit served from the wrong KV moves them by whole units."""
+    if not want or not got:
+        return None
+    floor = min(got.values())
+    return round(max(abs(lp - got.get(t, floor)) for t, lp in want.items()), 4)
+
+
 def _ratio(a: Any, b: Any) -> float | None:
     return round(a / b, 3) if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b \
         else None
@@ -536,6 +570,9 @@ def parent_main(args: argparse.Namespace) -> None:
     failed = [f"{r['case']}/{r['mode']}: {r.get('error')}" for r in results if not r.get("ok")]
     if failed:
         print("failed cases: " + "; ".join(failed))
+    for r in results:
+        for warning in r.get("warnings", ()):
+            print(f"WARNING {r['case']}/{r['mode']}: {warning}")
     write_report(out / "vllm_gpu.json", "vllm_gpu", {
         "args": {k: v for k, v in vars(args).items() if k != "child_argv"},
         "summary": summary, "cases": results})

@@ -367,3 +367,42 @@ def test_a_damaged_disk_store_and_an_unreachable_redis_do_not_stop_vllm(tiny_mod
         assert out.num_scheduled_tokens[request.request_id] == 64     # max_batched: computed
     finally:
         sched.connector.runtime.close()
+
+
+def test_a_step_small_enough_for_a_full_graph_copies_its_loads_whole(scheduler):
+    """A step vLLM may replay as a full CUDA graph runs no per-layer hook: the scheduler marks
+    it, and the worker then copies every layer of its loads before the forward."""
+    import dataclasses
+
+    runtime = scheduler.connector.runtime
+    runtime.shape = dataclasses.replace(runtime.shape, full_graph_tokens=8)
+    tokens = _prompt(96)
+    fill_kvtier(runtime, tokens)
+    _, small = _admit(scheduler, tokens)            # one token left to compute: a graph step
+    assert small.kv_connector_metadata.loads and small.kv_connector_metadata.whole_loads
+    longer = _prompt(96, start=400) + _prompt(40, start=20)
+    fill_kvtier(runtime, longer[:96])
+    _, large = _admit(scheduler, longer)            # 40 tokens to compute: never a full graph
+    assert large.kv_connector_metadata.loads and not large.kv_connector_metadata.whole_loads
+
+
+def test_the_largest_full_graph_step_is_read_from_vllms_compilation_config(tiny_model):
+    from types import SimpleNamespace
+
+    from vllm.config import CompilationConfig, CUDAGraphMode, ModelConfig
+
+    from kvtier.integrations.vllm.compat import full_graph_max_tokens
+
+    model = ModelConfig(model=str(tiny_model), dtype="float32", seed=0, max_model_len=2048)
+    full = CompilationConfig(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+                             cudagraph_capture_sizes=[1, 2, 4, 8, 16])
+    assert full_graph_max_tokens(SimpleNamespace(model_config=model,
+                                                 compilation_config=full)) == 16
+    pieces = CompilationConfig(cudagraph_mode=CUDAGraphMode.PIECEWISE,
+                               cudagraph_capture_sizes=[1, 2, 4, 8, 16])
+    assert full_graph_max_tokens(SimpleNamespace(model_config=model,
+                                                 compilation_config=pieces)) == 0
+    eager = ModelConfig(model=str(tiny_model), dtype="float32", seed=0, max_model_len=2048,
+                        enforce_eager=True)
+    assert full_graph_max_tokens(SimpleNamespace(model_config=eager,
+                                                 compilation_config=full)) == 0

@@ -14,6 +14,8 @@ release touches this module only:
   ``layout`` holds the registered tensors against;
 - ``graph_hides_layers``: whether the forward about to run is a full CUDA graph replay, inside
   which vLLM calls no per-layer connector hook (``ForwardContext.cudagraph_runtime_mode``);
+  ``full_graph_max_tokens``: the largest step that may replay one (from the compilation
+  config), so that the scheduler can mark such steps before any forward context exists;
 - ``offloading_plugins_refusal``: why kvtier's plug-ins for vLLM's native offloading (secondary
   tier, eviction policy) cannot load on this vLLM, or "" (they need 0.32's tiering API);
   ``require_offloading_plugins`` raises it before their vLLM imports would fail obscurely.
@@ -90,6 +92,21 @@ def expected_kv_shape(backend: Any, spec: Any, num_blocks: int, cache_dtype: str
     *outer, content_bytes = compute_layer_kv_cache_shape_bytes(spec, num_blocks)
     element = spec.dtype.itemsize
     return (*outer, content_bytes // element)
+
+
+def full_graph_max_tokens(vllm_config: Any) -> int:
+    """The most tokens a step may hold and still replay a full CUDA graph (0: this engine
+    never replays one: ``enforce_eager``, or a graph mode without full graphs)."""
+    if getattr(vllm_config.model_config, "enforce_eager", False):
+        return 0
+    compilation = vllm_config.compilation_config
+    mode = getattr(compilation, "cudagraph_mode", None)
+    has_full = getattr(mode, "has_full_cudagraphs", None)
+    if mode is None or has_full is None or not has_full():
+        return 0
+    sizes = getattr(compilation, "cudagraph_capture_sizes", None) or ()
+    largest = getattr(compilation, "max_cudagraph_capture_size", None)
+    return int(largest or max(sizes, default=0))
 
 
 def graph_hides_layers(forward_context: Any) -> bool:

@@ -79,7 +79,10 @@ class KvtierConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvtierConnectorMetadata)
         self.worker.start_load_kv(meta)
-        if compat.graph_hides_layers(forward_context):
+        # A full CUDA graph replays the forward without calling the per-layer hooks: copy the
+        # loads whole now. The scheduler marks every step small enough to be one (the mark
+        # does not depend on reading the forward context right); the context says it too.
+        if meta.whole_loads or compat.graph_hides_layers(forward_context):
             self.worker.load_all_layers()
 
     def wait_for_layer_load(self, layer_name: str) -> None:

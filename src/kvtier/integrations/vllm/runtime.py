@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm.compat import transfer_groups
+from kvtier.integrations.vllm.compat import full_graph_max_tokens, transfer_groups
 from kvtier.integrations.vllm.events import ConnectorEvents
 from kvtier.integrations.vllm.fingerprint import model_fingerprint
 from kvtier.integrations.vllm.options import DEFAULT_STAGING_PAGES, VllmConnectorOptions
@@ -67,6 +67,9 @@ class ModelShape:
     #: KV heads in one rank's KV tensors (``kv_heads`` unless tensor parallel) and the TP size.
     rank_kv_heads: int = 0
     tp_size: int = 1
+    #: Steps of at most this many tokens may replay a full CUDA graph (no per-layer hooks run
+    #: in it); 0: the engine never replays one (``compat.full_graph_max_tokens``).
+    full_graph_tokens: int = 0
 
     def rank_heads(self, rank: int) -> tuple[int, int]:
         """The model's KV heads ``[first, end)`` that TP rank ``rank`` keeps (vLLM's split:
@@ -124,7 +127,8 @@ def model_shape(vllm_config: Any, kv_cache_config: Any) -> ModelShape:
                       layer_names=tuple(groups[0].layer_names), kv_heads=total_heads,
                       head_dim=spec.head_size, dtype=str(spec.dtype).removeprefix("torch."),
                       block_size=spec.block_size, refused=_why_not_restorable(specs),
-                      rank_kv_heads=spec.num_kv_heads, tp_size=tp_size)
+                      rank_kv_heads=spec.num_kv_heads, tp_size=tp_size,
+                      full_graph_tokens=full_graph_max_tokens(vllm_config))
 
 
 def _why_not_restorable(specs: list[Any]) -> str:

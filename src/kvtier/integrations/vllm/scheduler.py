@@ -73,6 +73,9 @@ class KvtierConnectorMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
     #: Requests vLLM preempted this step: their blocks are reused before the forward.
     preempted: list[str] = field(default_factory=list)
+    #: The step is small enough to replay a full CUDA graph: its loads are copied whole before
+    #: the forward, not layer by layer from hooks a graph replay would skip.
+    whole_loads: bool = False
     #: Workers in processes of their own (``rank_steps``): the step's number, the shared
     #: staging pool, and finished requests whose blocks vLLM keeps until this step's copies.
     step: int = 0
@@ -220,8 +223,11 @@ class SchedulerSide:
             finally:
                 lock.release()
         self._stepping = set(scheduler_output.num_scheduled_tokens)
-        meta = KvtierConnectorMetadata(loads=self._loads,
-                                       preempted=sorted(scheduler_output.preempted_req_ids or ()))
+        full_graph = self.runtime.shape.full_graph_tokens
+        meta = KvtierConnectorMetadata(
+            loads=self._loads, preempted=sorted(scheduler_output.preempted_req_ids or ()),
+            whole_loads=bool(self._loads) and 0 < scheduler_output.total_num_scheduled_tokens
+            <= full_graph)
         self._loads = []
         for req_id in meta.preempted:       # its save may be cancelled: save it once it resumes
             tracked = self._tracked.get(req_id)
