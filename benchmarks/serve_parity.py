@@ -17,7 +17,8 @@ H200)::
 
 ``--disk DIR --restart`` adds a ``restart`` cell: the cached server is closed (its disk writes
 flushed) and a new one opened on the same directory serves each prompt as a disk hit, split
-between recompute and load as the planner chooses (``--split plan``, the default) once a few
+between recompute and load as the planner chooses (``--split plan``; the default ``auto``
+splits only in the deterministic mode, where the split is exact) once a few
 unrelated prompts taught it the prefill rate; the cell's ``cached_tokens_by_tier`` says how
 many prompts were split (``splits``) and how many hit tokens their heads recomputed.
 """
@@ -53,7 +54,8 @@ def _service(lm: Any, args: argparse.Namespace, dtype: str, mode: str, page_size
              "server.max_concurrent_requests": str(max(64, 2 * running))}
     flags.update(dict(item.split("=", 1) for item in args.set))
     return EngineService.build(build_config(env={}, flags=flags), lm=lm,
-                               split=args.split if cache else "plan")
+                               split=(None if args.split == "auto" else args.split)
+                               if cache else "plan")
 
 
 class FirstLogits:
@@ -209,8 +211,10 @@ def main() -> int:
     parser.add_argument("--restart", action="store_true",
                         help="with --disk: adds a 'restart' cell, a new server on the disk "
                              "directory serving each prompt as a disk hit")
-    parser.add_argument("--split", default="plan", choices=("plan", "load", "recompute"),
-                        help="how store hits are served: the planner's split, or load them whole")
+    parser.add_argument("--split", default="auto", choices=("auto", "plan", "load", "recompute"),
+                        help="how store hits are served: auto (engine.store_hit_split: the "
+                        "planner's split in the deterministic mode, loaded whole otherwise), "
+                        "the planner's split always, or load them whole")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="a config field for both engines, e.g. engine.graph_tokens=0")
     parser.add_argument("--json", type=Path)

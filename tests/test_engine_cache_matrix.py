@@ -55,7 +55,8 @@ def build(lm, page_size: int, tmp_path, *, disk: bool = False, redis_url: str = 
     config = make_config(cache__page_size=page_size, controller__min_prefetch_tokens=0,
                          controller__prefetch_policy="wait_complete",
                          store__disk_url=f"file://{tmp_path}/disk" if disk else "",
-                         store__remote_url=redis_url)
+                         store__remote_url=redis_url,
+                         engine__store_hit_split="plan")   # the hybrid split is checked too
     return PrefixCache.build(config, lm)
 
 

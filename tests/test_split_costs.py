@@ -43,7 +43,8 @@ def _disk_hit(tmp_path):
     lm = tiny_lm()
     config = make_config(controller__min_prefetch_tokens=0,
                          controller__prefetch_policy="wait_complete",
-                         store__disk_url=f"file://{tmp_path}/disk")
+                         store__disk_url=f"file://{tmp_path}/disk",
+                         engine__store_hit_split="plan")   # the planner's split, measured here
     cache = PrefixCache.build(config, lm)
     prompt = list(range(40, 40 + 16 * 8 + 5))
     _serve(cache, prompt, PrefillReport)
@@ -132,3 +133,16 @@ def test_a_split_that_ran_late_makes_hits_of_that_size_recompute(tmp_path):
         assert rates.split_error(128) == pytest.approx(rates.split_errors[8])
     finally:
         cache.close()
+
+
+def test_store_hits_are_split_by_default_only_where_the_split_is_exact():
+    """Outside the deterministic mode a head recomputed in a forward of another length is not
+    the stored pages' bytes (library matmuls round a row by the forward's row count), so a
+    store hit is loaded whole unless the user asks for the planner's split."""
+    from kvtier.engine.prefix import split_for
+
+    assert split_for(make_config()) == "load"
+    assert split_for(make_config(engine__deterministic=True)) == "plan"
+    assert split_for(make_config(engine__store_hit_split="plan")) == "plan"
+    assert split_for(make_config(engine__deterministic=True,
+                                 engine__store_hit_split="load")) == "load"

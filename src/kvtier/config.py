@@ -53,6 +53,14 @@ class EngineConfig:
     deterministic: bool = opt(False, "Batch-invariant kernels in every forward (matmuls, norms, "
                               "attention in fixed 256-key slices): a hit's logits are "
                               "bit-identical to a recompute's. CUDA (or the Triton interpreter).")
+    store_hit_split: str = opt("auto", "How a hit with a disk or Redis part is served. plan: "
+                               "the planner recomputes its head while the tail is read (a "
+                               "sooner first token); load: loaded whole; auto: plan under "
+                               "engine.deterministic, load otherwise. Library matmuls round a "
+                               "row by the forward's row count, so outside the deterministic "
+                               "mode a recomputed head is not the stored pages' bytes and "
+                               "greedy answers can change (bf16, 7B shapes).",
+                               choices=("auto", "plan", "load"))
     decode_graph_batch: int = opt(64, "Largest batch of decode-only steps replayed as CUDA "
                                   "graphs (captured at batch buckets 1, 2, 4, ... up to it; "
                                   "larger steps run eagerly). 0: no decode graphs. CUDA only.",

@@ -62,6 +62,18 @@ class PrefixState:
     split: tuple[int, float, float] | None = None   # (hit tokens, predicted s, start) of a split
 
 
+def split_for(config: KvtierConfig) -> str:
+    """The split policy ``engine.store_hit_split`` names: ``auto`` splits store hits only where
+    the split is exact (``engine.deterministic``: batch-invariant kernels give a recomputed
+    head the stored pages' bytes); elsewhere library matmuls tile by the forward's row count, so
+    a head recomputed in a forward of another length rounds differently and can flip a greedy
+    token, and the hit is loaded whole."""
+    choice = config.engine.store_hit_split
+    if choice == "auto":
+        return "plan" if config.engine.deterministic else "load"
+    return choice
+
+
 class PrefixCache:
     """Serves prefills from a ``TieredCache``; see the module docstring."""
 
@@ -79,10 +91,12 @@ class PrefixCache:
         self._helper = ThreadPoolExecutor(1, thread_name_prefix="kvtier-recompute")
 
     @classmethod
-    def build(cls, config: KvtierConfig, lm: CausalLM, *, split: str = "plan",
+    def build(cls, config: KvtierConfig, lm: CausalLM, *, split: str | None = None,
               graphs: bool = True) -> PrefixCache:
-        """The cache the config asks for; ``graphs`` false skips the per-sequence path's
-        captured suffix forwards (the batched engine captures its own, ``suffix_step``)."""
+        """The cache the config asks for; ``split`` None: ``engine.store_hit_split``
+        (``split_for``); ``graphs`` false skips the per-sequence path's captured suffix
+        forwards (the batched engine captures its own, ``suffix_step``)."""
+        split = split_for(config) if split is None else split
         from kvtier.cache import TieredCache
 
         page_size = config.cache.page_size

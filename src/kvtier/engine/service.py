@@ -47,10 +47,10 @@ class EngineService:
 
     @classmethod
     def build(cls, config: KvtierConfig, *, max_running: int | None = None,
-              lm: CausalLM | None = None, split: str = "plan") -> EngineService:
+              lm: CausalLM | None = None, split: str | None = None) -> EngineService:
         """Load the model (unless given) and the cache the config asks for; ``split`` chooses
-        how a hit is served (``plan``: the planner's load/recompute split); ``max_running``
-        overrides ``engine.max_running``."""
+        how a hit is served (``plan``: the planner's load/recompute split; None:
+        ``engine.store_hit_split``); ``max_running`` overrides ``engine.max_running``."""
         lm = lm or load_model(config.engine.model, device=config.engine.device,
                               dtype=config.engine.dtype, seed=config.engine.seed,
                               attention=config.engine.attention,
