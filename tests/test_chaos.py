@@ -1,4 +1,4 @@
-"""The core of ``benchmarks/chaos.py`` on kvtier's own stores: under every fault that needs no
+"""The core of ``benchmarks/store/chaos.py`` on kvtier's own stores: under every fault that needs no
 root (bit flips, zeroed ranges, truncation, another page's bytes, a stale older format, lost
 index or manifest, another shape / page size / dtype / TP size / fine-tune, clock skew; on Redis
 also another tenant's value, eviction mid-read, a restart, a paused server, dropped
@@ -17,7 +17,7 @@ import pytest
 
 from redis_server import needs_redis
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "chaos.py"
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "store" / "chaos.py"
 _SPEC = importlib.util.spec_from_file_location("kvtier_chaos", _PATH)
 assert _SPEC is not None and _SPEC.loader is not None
 chaos = importlib.util.module_from_spec(_SPEC)

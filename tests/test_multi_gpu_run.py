@@ -1,4 +1,4 @@
-"""The multi-rank run of ``benchmarks/multi_gpu.py`` on the CPU (gloo): TP=2 ranks store their
+"""The multi-rank run of ``benchmarks/multi_gpu/multi_gpu.py`` on the CPU (gloo): TP=2 ranks store their
 heads, TP=1 and TP=4 ranks load byte-identical slices and the same greedy tokens, ranks with
 different local hits agree on the minimum, and a rank that dies leaves the others failing fast."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "multi_gpu"))
 
 multi_gpu = pytest.importorskip("multi_gpu")
 

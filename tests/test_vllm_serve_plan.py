@@ -1,4 +1,4 @@
-"""``benchmarks/vllm_serve.py``'s pure parts: the working set of a workload, the memory plan that
+"""``benchmarks/vllm/vllm_serve.py``'s pure parts: the working set of a workload, the memory plan that
 keeps it off the GPU (kvtier's staging pages inside the same GPU budget, the same host GiB for
 native offloading and kvtier), the servers' flags, and the counters read from ``/metrics``."""
 
@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "vllm"))
 
 import vllm_serve
 from kvtier.bench.serve_workloads import shared_prefix

@@ -2,7 +2,7 @@
 
 Owns ``run`` (builds the workload, sends it to the server under test and, when asked, the same
 requests to a ``--no-cache`` baseline right after, prints the table and writes JSON with machine
-info, a text table beside it and a plot), and its parts, also used by ``benchmarks/serve_load.py``:
+info, a text table beside it and a plot), and its parts, also used by ``benchmarks/serve/serve_load.py``:
 ``build_workload`` (``serve_workloads``), ``measure`` (``serve_load``), ``table``, ``settings``
 and ``write`` (``serve_plot``). Every function takes the benchmark's settings as one object with
 the attributes of ``kvtier bench serve``'s flags (``workload``, ``num_requests``,

@@ -16,7 +16,7 @@ a recompute's at any hit length, tier and page size, and a sequence's results do
 what runs beside it. The stored past is bytes the same kernels produced, so it continues alike.
 
 Cost: these kernels are untuned next to cuBLAS and flash attention (measured in
-``benchmarks/parity.py``'s notes and README). CUDA, or the Triton interpreter on the CPU
+``benchmarks/engine/parity.py``'s notes and README). CUDA, or the Triton interpreter on the CPU
 (``TRITON_INTERPRET=1``, for tests); anything else is refused at start. Engine thread.
 """
 

@@ -11,7 +11,7 @@ The graphs compute exactly what the batched step computes: each layer writes the
 into the row's own pages and attends them with the same paged kernels over the device pool
 (``paged_triton``, or its split launch: the same bits), so a hit's first token does not depend
 on whether its step was captured (parity with a no-cache run, measured in
-``benchmarks/serve_parity.py``). Between layer replays the current stream waits on the device
+``benchmarks/serve/serve_parity.py``). Between layer replays the current stream waits on the device
 for that layer's host copy only (a host hit still crossing the bus), so loading keeps
 overlapping the forward.
 

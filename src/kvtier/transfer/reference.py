@@ -66,7 +66,7 @@ def _copy_pages_on_cpu(plan: CopyPlan, device: torch.Tensor, host: torch.Tensor,
     """Both pools in host memory: one slice copy per page, straight from source to
     destination. Indexing by a list of ids gathers into a temporary and scatters it element
     by element: on one thread that moved 0.4 GB/s, a copy of the page's slices moves several
-    (``benchmarks/vllm_write_path.py``)."""
+    (``benchmarks/vllm/vllm_write_path.py``)."""
     load = plan.direction == "load"
     host_ids, device_ids = (plan.src_ids, plan.dst_ids) if load else (plan.dst_ids, plan.src_ids)
     for h, d in zip(host_ids.tolist(), device_ids.tolist(), strict=True):

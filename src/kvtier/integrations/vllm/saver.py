@@ -64,7 +64,7 @@ def one_torch_thread() -> None:
     torch runs a CPU op over an OpenMP team; a team member that finds its partners descheduled
     spins at the op's barrier. On a CPU backend vLLM's forward holds every core, so a save's
     copies run with their partners preempted: measured on 2 cores, the saver's gathers spent 10x
-    their single-threaded CPU time spinning (``benchmarks/vllm_write_path.py``). OpenMP keeps the
+    their single-threaded CPU time spinning (``benchmarks/vllm/vllm_write_path.py``). OpenMP keeps the
     team size per thread, so ``set_num_threads(1)`` here leaves vLLM's threads alone, but torch
     also records the count as the one threads started later take up: a short-lived thread puts
     the process's count back.

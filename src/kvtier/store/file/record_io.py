@@ -10,7 +10,7 @@ page-aligned bounce buffers (one set per thread). Stateless apart from those buf
 concurrently from IO worker threads. ``os.preadv``/``pwritev`` release the GIL; the checksums
 (python-xxhash's one-shot ``xxh3``) hold it up to 64 KiB, about 2 us per 64 KiB. Releasing it for
 each page's checksum (a ctypes call of the same C function) measured slower with 4 threads on 2
-cores: more GIL hand-offs (``benchmarks/disk_read_threads.py``, variant ``records_ctypes``).
+cores: more GIL hand-offs (``benchmarks/probes/disk_read_threads.py``, variant ``records_ctypes``).
 """
 
 from __future__ import annotations
