@@ -96,6 +96,9 @@ def test_fresh_process_serves_stored_prompts_from_kvtier_with_identical_output(r
     # the model ran only the uncached tail of the prompt, then one token per decode step
     assert first["computed_tokens"] == PROMPT_TOKENS - STORED + MAX_TOKENS - 1
     assert load["connector"]["claimed_tokens"] >= STORED
+    # every layer of every load reached vLLM's blocks before a forward read them
+    assert load["connector"]["load_layer_copies"] > 0
+    assert load["connector"].get("load_layers_missed", 0) == 0
 
 
 def test_a_different_cache_salt_gets_no_hit(runs):

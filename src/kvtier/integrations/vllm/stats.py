@@ -39,6 +39,7 @@ EXPORTED: dict[str, str] = {
     "requests_refused_model_kv": "Requests kvtier stayed out of (KV it cannot restore exactly).",
     "requests_opted_out": "Requests that opted out of kvtier (kv_transfer_params).",
     "load_errors": "Loads whose staged pages were gone (vLLM recomputed their blocks).",
+    "load_layers_missed": "Layers of loads a forward ran without (never expected; logged).",
     "saved_tokens": "Prompt tokens stored into kvtier.",
     "saves_skipped_held": "Prompt saves skipped: kvtier held every page already.",
     "saves_dropped_queue_full": "Prompt saves dropped: the save queue was full.",

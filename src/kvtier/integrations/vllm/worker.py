@@ -228,6 +228,7 @@ class WorkerSide:
         """Release the step's loads (or hand them to the request's save) and queue its saves
         for the saver thread; never waits for one."""
         loads = {move.req_id: move.handle for move in self._loads}
+        self._check_loads_copied()
         self._loads = []
         saver = self.runtime.saver
         if self.copy_in_forward:
@@ -248,6 +249,18 @@ class WorkerSide:
         self._landing.extend(loads.values())
         self._release_landed()
         self._saves, self._saves_for = [], None
+
+    def _check_loads_copied(self) -> None:
+        """A forward that ran while some layer of a load was never copied read whatever vLLM's
+        blocks held there: count it and say so (the scheduler's ``whole_loads`` mark and the
+        per-layer hooks are meant to leave none)."""
+        layers = len(self._layer_index)
+        missed = sum(layers - len(move.layers) for move in self._loads)
+        if missed:
+            self.runtime.counts["load_layers_missed"] += missed
+            log.error("kvtier connector: a forward ran before %d layer(s) of its loads were "
+                      "copied (no per-layer hook ran and the step was not marked whole); "
+                      "those hits read stale KV", missed)
 
     def _copy_hidden_save_layers(self, meta: KvtierConnectorMetadata | None) -> None:
         """Copy the layers of the step's saves that no ``save_kv_layer`` copied: all of them
