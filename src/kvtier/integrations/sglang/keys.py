@@ -23,11 +23,15 @@ no torch or SGLang imports; runs on the thread that registers the host pool.
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.keys import KeyNamespace, PageKey
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,34 @@ def head_share(tp_rank: int, tp_size: int, local_heads: int,
     replicas = held // total
     first = (tp_rank // replicas) * local_heads
     return first, first + local_heads, total, tp_rank % replicas == 0
+
+
+def default_fingerprint(model_name: str | None) -> str:
+    """The weights fingerprint when none is configured: the checkpoint that SGLang's model name
+    points at (SGLang passes the model path, sometimes tagged ``<path>-<pool format>``), by
+    ``kvtier.model_identity``'s rule, so that a fine-tune written over the same directory never
+    shares pages with the base; "" (pages keyed by the name alone, said in the log) when the
+    name is not a checkpoint on this machine (a hub id not downloaded here, a served name)."""
+    from kvtier.model_identity import NotACheckpoint, checkpoint_fingerprint
+
+    name = str(model_name or "")
+    candidates = [name]
+    while "-" in candidates[-1]:
+        candidates.append(candidates[-1].rsplit("-", 1)[0])
+    for candidate in candidates:
+        path = Path(candidate).expanduser()
+        if candidate and path.exists():
+            try:
+                return "ckpt:" + checkpoint_fingerprint(path)
+            except (NotACheckpoint, OSError) as exc:
+                log.warning("kvtier HiCache backend: %s is not a readable checkpoint (%s); "
+                            "pages are keyed by the model name alone", path, exc)
+                return ""
+    if name:
+        log.info("kvtier HiCache backend: model %r is not a checkpoint on this machine; pages "
+                 "are keyed by its name alone (set model_fingerprint to tell fine-tunes apart)",
+                 name)
+    return ""
 
 
 def shard_identity(storage_config: Any, *, page_format: str, dtype: str, page_size: int,

@@ -34,7 +34,8 @@ class SGLangBackendOptions:
     """Everything kvtier's SGLang backend needs besides SGLang's own storage config."""
 
     store: StoreConfig
-    #: Identifies the model's weights beyond SGLang's model name (two fine-tunes never share).
+    #: Identifies the model's weights beyond SGLang's model name (two fine-tunes never share);
+    #: empty: derived from the checkpoint the model path names (``keys.default_fingerprint``).
     model_fingerprint: str = ""
     #: KV heads of the whole model; lets TP ranks that replicate heads share one page.
     kv_heads_total: int | None = None

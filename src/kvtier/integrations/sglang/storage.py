@@ -33,7 +33,12 @@ from urllib.parse import parse_qsl, urlsplit
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageExtraInfo
 
-from kvtier.integrations.sglang.keys import KeyMapper, ShardIdentity, shard_identity
+from kvtier.integrations.sglang.keys import (
+    KeyMapper,
+    ShardIdentity,
+    default_fingerprint,
+    shard_identity,
+)
 from kvtier.integrations.sglang.mover import PageMover
 from kvtier.integrations.sglang.options import SGLangBackendOptions, parse_extra_config
 from kvtier.integrations.sglang.pages import PoolPages, describe_pool, dtype_name
@@ -62,7 +67,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
         identity = shard_identity(
             self.storage_config, page_format=pages.page_format, dtype=dtype_name(pages.dtype),
             page_size=pages.page_size, local_heads=pages.local_heads, layers=pages.layer_range,
-            model_fingerprint=self.options.model_fingerprint,
+            model_fingerprint=self.options.model_fingerprint
+            or default_fingerprint(self.storage_config.model_name),
             heads_total=self.options.kv_heads_total)
         subdir = pages.page_format.replace(":", "_") if self.options.layout_subdir else None
         tiers = open_tiers(self.options.store_urls, pages.page_bytes, subdir=subdir,
