@@ -125,13 +125,31 @@ def test_the_setting_reaches_the_model():
     from kvtier.engine import paged
     from kvtier.engine.hf import load_model
 
-    assert build_config(env={}, flags={}).engine.deterministic is False
+    assert build_config(env={}, flags={}).engine.deterministic == "auto"
     config = build_config(env={}, flags={"engine.deterministic": "true"})
     lm = load_model("tiny-llama", device="cpu", dtype="float32",
                     deterministic=config.engine.deterministic)
+    assert lm.deterministic
     # the invariant attention, wrapped by the batched engine's paged attention
     assert lm.model.config._attn_implementation == f"{paged.NAME}_{invariant.NAME}"
     linears = [m for m in lm.model.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all("forward" in m.__dict__ for m in linears)
     plain = load_model("tiny-llama", device="cpu", dtype="float32")
     assert invariant.NAME not in plain.model.config._attn_implementation
+    assert not plain.deterministic
+    # auto: on with CUDA, off on the CPU (the CPU would need the Triton interpreter)
+    auto = load_model("tiny-llama", device="cpu", dtype="float32", deterministic="auto")
+    assert not auto.deterministic
+    assert invariant.NAME not in auto.model.config._attn_implementation
+
+
+def test_auto_is_on_with_cuda_only():
+    from kvtier.engine.hf import resolve_deterministic
+
+    assert resolve_deterministic("auto", "cuda") is True
+    assert resolve_deterministic("auto", "cuda:1") is True
+    assert resolve_deterministic("auto", "cpu") is False
+    assert resolve_deterministic("false", "cuda") is False
+    assert resolve_deterministic("true", "cpu") is True
+    with pytest.raises(ConfigError, match="engine.deterministic"):
+        resolve_deterministic("yes", "cuda")

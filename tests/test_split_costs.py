@@ -141,8 +141,10 @@ def test_store_hits_are_split_by_default_only_where_the_split_is_exact():
     store hit is loaded whole unless the user asks for the planner's split."""
     from kvtier.engine.prefix import split_for
 
-    assert split_for(make_config()) == "load"
-    assert split_for(make_config(engine__deterministic=True)) == "plan"
-    assert split_for(make_config(engine__store_hit_split="plan")) == "plan"
-    assert split_for(make_config(engine__deterministic=True,
+    assert split_for(make_config(engine__deterministic="false")) == "load"
+    assert split_for(make_config(engine__device="cpu")) == "load"     # auto: off on the CPU
+    assert split_for(make_config(engine__deterministic="true")) == "plan"
+    assert split_for(make_config(engine__store_hit_split="plan",
+                                 engine__deterministic="false")) == "plan"
+    assert split_for(make_config(engine__deterministic="true",
                                  engine__store_hit_split="load")) == "load"

@@ -17,6 +17,9 @@ engines where both run a prompt: ``vllm_gpu.prompt``). Cases:
   tokens plus a fresh 32-token suffix, kvtier off as the recompute, medians of
   ``--repeats``); then generated tokens/s for 16 and 64 concurrent ~4,980-token prompts with
   128 new tokens each, and the decode inter-token latency at batch 1 and 16;
+- ``kvtier_det``: the same with ``engine.deterministic`` on (batch-invariant kernels in every
+  forward: the mode whose hits are bit-identical to a recompute on the GPU), reported against
+  ``kvtier`` (what exactness costs);
 - ``vllm_main``: vLLM 0.26 (its default torch.compile + CUDA graphs, prefix caching on):
   recompute TTFT (prompts it has not seen), GPU prefix hit (same prefix, fresh 32-token
   suffix), the same throughput and inter-token latency runs;
@@ -61,7 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serve"))   # batch
 import vllm_gpu
 from vllm_gpu import emit, log, prompt
 
-CASES = ("kernel", "kvtier", "vllm_main", "vllm_native")
+CASES = ("kernel", "kvtier", "kvtier_det", "vllm_main", "vllm_native")
 SUFFIX_TOKENS = 32                       # a hit's new tokens (kvtier bench ttft's default)
 NEW_TOKENS = vllm_gpu.THROUGHPUT_NEW     # 128 generated tokens a throughput or ITL prompt
 ITL_BATCHES = (1, 16)
@@ -253,7 +256,7 @@ def kernel_case(args: argparse.Namespace) -> dict[str, Any]:
 # ================================================================================================
 # case: kvtier's engine
 # ================================================================================================
-def kvtier_case(args: argparse.Namespace) -> dict[str, Any]:
+def kvtier_case(args: argparse.Namespace, deterministic: bool = False) -> dict[str, Any]:
     import torch
 
     from batching_gpu import _generate_all, _service, _timed_concurrent
@@ -263,13 +266,14 @@ def kvtier_case(args: argparse.Namespace) -> dict[str, Any]:
 
     res: dict[str, Any] = {}
     started = time.perf_counter()
-    lm = load_model(args.preset, device=args.device, dtype=args.dtype)
+    lm = load_model(args.preset, device=args.device, dtype=args.dtype, deterministic=deterministic)
     res["load_s"] = round(time.perf_counter() - started, 1)
     host_pool = f"{int(args.offload_gib)}GiB"
     pinned = f"{2 * int(args.offload_gib) + 4}GiB"   # two TTFT services hold a host pool each
     flags = {"engine.model": args.preset, "engine.device": args.device, "engine.dtype": args.dtype,
              "host.pool_bytes": host_pool, "host.pinned_budget_bytes": pinned,
-             "cache.device_memory_fraction": str(args.kvtier_ttft_fraction)}
+             "cache.device_memory_fraction": str(args.kvtier_ttft_fraction),
+             "engine.deterministic": str(deterministic).lower()}
     config = build_config(env={}, flags=flags)
 
     class SameIds(TtftRun):
@@ -298,7 +302,8 @@ def kvtier_case(args: argparse.Namespace) -> dict[str, Any]:
 
     service = _service(lm, args.device, args.dtype, max(args.levels), host_pool,
                        device_fraction=args.kvtier_device_fraction,
-                       extra={"host.pinned_budget_bytes": pinned})
+                       extra={"host.pinned_budget_bytes": pinned,
+                              "engine.deterministic": str(deterministic).lower()})
     try:
         _generate_all(service, [prompt(64, seed=990 + i) for i in range(2)], 8)   # warm-up
         graphs = service.engine.decode_graphs
@@ -429,8 +434,8 @@ def child_main(args: argparse.Namespace) -> None:
     try:
         if args.case == "kernel":
             res.update(kernel_case(args))
-        elif args.case == "kvtier":
-            res.update(kvtier_case(args))
+        elif args.case in ("kvtier", "kvtier_det"):
+            res.update(kvtier_case(args, deterministic=args.case == "kvtier_det"))
         else:
             res.update(vllm_case(args, args.case))
         res["ok"] = True
@@ -505,6 +510,13 @@ def table(args: argparse.Namespace, cases: dict[str, dict[str, Any]]) -> tuple[s
         headers, [[r["metric"], r["unit"], _cell(r["kvtier"]), _cell(r["vllm"]),
                           _cell(r["kvtier_over_vllm"]), r["goal"], verdict[r["met"]]]
                          for r in rows])
+    det = cases.get("kvtier_det", {})
+    if det:
+        text += "\n\n" if text else ""
+        text += "kvtier's engine.deterministic (batch-invariant kernels) against its default:\n"
+        text += format_table(["metric", "unit", "default", "deterministic", "det/default"],
+                             [[m, u, _cell(a), _cell(b), _cell(ratio(b, a))]
+                              for m, u, a, b in deterministic_rows(args, kv, det)])
     kernel = cases.get("kernel", {})
     if kernel.get("rows"):
         text += "\n\n" if text else ""
@@ -522,6 +534,27 @@ def table(args: argparse.Namespace, cases: dict[str, dict[str, Any]]) -> tuple[s
     for warning in hit_warnings(args, cases):
         text += f"\nWARNING: {warning}"
     return text, rows
+
+
+def deterministic_rows(args: argparse.Namespace, kv: dict[str, Any],
+                       det: dict[str, Any]) -> list[tuple[str, str, Any, Any]]:
+    """(metric, unit, default, deterministic) for what both kvtier cases measured."""
+    rows = []
+    for length in args.lengths:
+        for key, name in (("recompute_ms", "recompute"), ("device_hit_ms", "device hit"),
+                          ("host_hit_ms", "host hit")):
+            rows.append((f"TTFT {name} {length}", "ms",
+                         kv.get("ttft", {}).get(str(length), {}).get(key),
+                         det.get("ttft", {}).get(str(length), {}).get(key)))
+    for level in args.levels:
+        rows.append((f"throughput {level} x {args.throughput_prompt} tok", "gen tok/s",
+                     kv.get("throughput", {}).get(str(level), {}).get("gen_tok_s"),
+                     det.get("throughput", {}).get(str(level), {}).get("gen_tok_s")))
+    for batch in ITL_BATCHES:
+        rows.append((f"decode inter-token latency, batch {batch}", "ms",
+                     kv.get("itl", {}).get(str(batch), {}).get("itl_ms"),
+                     det.get("itl", {}).get(str(batch), {}).get("itl_ms")))
+    return rows
 
 
 def hit_warnings(args: argparse.Namespace, cases: dict[str, dict[str, Any]]) -> list[str]:

@@ -21,6 +21,7 @@ between recompute and load as the planner chooses (``--split plan``; the default
 splits only in the deterministic mode, where the split is exact) once a few
 unrelated prompts taught it the prefill rate; the cell's ``cached_tokens_by_tier`` says how
 many prompts were split (``splits``) and how many hit tokens their heads recomputed.
+``--restart-only`` keeps only that cell (the cached server just stores each prompt).
 """
 
 from __future__ import annotations
@@ -123,10 +124,12 @@ def run_cell(args: argparse.Namespace, arch: str, dtype: str, mode: str,
         wants = [_run(plain, plain_logits, [p], args.new_tokens)[0] for p, _ in pairs]
     finally:
         plain.close()
-    got: dict[str, list[Run]] = {"device": [], "host": []}
+    live = not args.restart_only
+    got: dict[str, list[Run]] = {"device": [], "host": []} if live else {}
     served: dict[str, dict[str, int]] = {"device": {}, "host": {}, "disk": {}, "batched": {}}
-    if args.disk:
+    if args.disk and live:
         got["disk"] = []
+    if args.disk:
         shutil.rmtree(args.disk, ignore_errors=True)
     cached = _service(lm, args, dtype, mode, page_size, True, max(1, len(pairs)))
     logits = FirstLogits(cached)
@@ -134,15 +137,20 @@ def run_cell(args: argparse.Namespace, arch: str, dtype: str, mode: str,
         for prompt, sibling in pairs:
             _drop(cached, ("device", "host"))
             _run(cached, logits, [sibling], 1)
+            if not live:    # only stored, for the restart cell: the prompt's tail pages too
+                _run(cached, logits, [prompt], 1)
+                continue
             got["device"].append(_run(cached, logits, [prompt], args.new_tokens, served["device"])[0])
             _drop(cached, ("device",))
             got["host"].append(_run(cached, logits, [prompt], args.new_tokens, served["host"])[0])
             if args.disk:   # the store's copy, through the hybrid split the planner chooses
                 _drop(cached, ("device", "host"))
                 got["disk"].append(_run(cached, logits, [prompt], args.new_tokens, served["disk"])[0])
-        _drop(cached, ("device", "host"))
-        _run(cached, logits, [s for _, s in pairs], 1)
-        got["batched"] = _run(cached, logits, [p for p, _ in pairs], args.new_tokens, served["batched"])
+        if live:
+            _drop(cached, ("device", "host"))
+            _run(cached, logits, [s for _, s in pairs], 1)
+            got["batched"] = _run(cached, logits, [p for p, _ in pairs], args.new_tokens,
+                                  served["batched"])
     finally:
         cached.close()   # flushes the disk tier's writes, as a server's shutdown does
     if args.disk and args.restart:
@@ -200,8 +208,9 @@ def main() -> int:
                              "qwen2.5-7b-shape: random weights, real shapes)")
     parser.add_argument("--dtypes", default="float32")
     parser.add_argument("--modes", default="default",
-                        help="default and/or deterministic (engine.deterministic: the "
-                             "batch-invariant kernels installed as hf.load_model does)")
+                        help="default (the library kernels: engine.deterministic false, "
+                             "the CPU's default) and/or deterministic (the batch-invariant "
+                             "kernels installed as hf.load_model does: CUDA's default)")
     parser.add_argument("--page-sizes", default="16,64")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=600)
@@ -214,6 +223,9 @@ def main() -> int:
     parser.add_argument("--restart", action="store_true",
                         help="with --disk: adds a 'restart' cell, a new server on the disk "
                              "directory serving each prompt as a disk hit")
+    parser.add_argument("--restart-only", action="store_true",
+                        help="with --restart: only the restart cell (the cached server stores "
+                             "each prompt and its sibling, no device/host/disk/batched cells)")
     parser.add_argument("--split", default="auto", choices=("auto", "plan", "load", "recompute"),
                         help="how store hits are served: auto (engine.store_hit_split: the "
                         "planner's split in the deterministic mode, loaded whole otherwise), "
@@ -222,6 +234,8 @@ def main() -> int:
                         help="a config field for both engines, e.g. engine.graph_tokens=0")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if args.restart_only and not (args.disk and args.restart):
+        parser.error("--restart-only needs --disk DIR and --restart")
     cells: list[dict[str, Any]] = []
     for dtype in args.dtypes.split(","):
         for arch, mode in ((a, m) for a in args.archs.split(",") for m in args.modes.split(",")):

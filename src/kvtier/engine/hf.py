@@ -35,6 +35,17 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def resolve_deterministic(value: str | bool, device: str) -> bool:
+    """``engine.deterministic`` on ``device`` (resolved): ``auto`` is on with CUDA only."""
+    if isinstance(value, bool):
+        return value
+    if value == "auto":
+        return device.startswith("cuda")
+    if value not in ("true", "false"):
+        raise ConfigError("engine.deterministic", value, "auto, true or false")
+    return value == "true"
+
+
 def resolve_dtype(dtype: str, device: str) -> str:
     if dtype == "auto":
         return "bfloat16" if device.startswith("cuda") else "float32"
@@ -55,6 +66,7 @@ class CausalLM:
     fingerprint: str
     eos_token_ids: tuple[int, ...]
     cache_arg: str = "cache"
+    deterministic: bool = False     # kvtier.engine.invariant's kernels serve every forward
 
     @property
     def config(self) -> Any:
@@ -109,14 +121,16 @@ class CausalLM:
 
 
 def load_model(model: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
-               attention: str = "kvtier", deterministic: bool = False) -> CausalLM:
+               attention: str = "kvtier", deterministic: bool | str = False) -> CausalLM:
     """Build a preset (random weights from ``seed``) or load a model directory onto ``device``.
     ``attention="kvtier"`` installs ``kvtier.engine.attention`` (split-KV kernels for short
     suffixes over a long past on CUDA; transformers' sdpa for everything else) and, on CUDA,
     the fused RMSNorm for every forward (the captured hit path runs it: the prefill must too).
-    ``deterministic`` installs ``kvtier.engine.invariant`` (batch-invariant kernels)."""
+    ``deterministic`` (a bool, or ``engine.deterministic``'s auto/true/false) installs
+    ``kvtier.engine.invariant`` (batch-invariant kernels)."""
     source = resolve_model(model)
     device = resolve_device(device)
+    deterministic = resolve_deterministic(deterministic, device)
     dtype = resolve_dtype(dtype, device)
     hf_model = _build(source, torch.device(device), DTYPES[dtype], seed)
     hf_model.eval()
@@ -137,7 +151,7 @@ def load_model(model: str, *, device: str = "auto", dtype: str = "auto", seed: i
     tokenizer = load_tokenizer(source)
     fingerprint = model_fingerprint(hf_model, seed if source.is_preset else None)
     return CausalLM(source.name, hf_model, tokenizer, torch.device(device), dtype, fingerprint,
-                    _eos_ids(hf_model.config, tokenizer), _cache_arg(hf_model))
+                    _eos_ids(hf_model.config, tokenizer), _cache_arg(hf_model), deterministic)
 
 
 def _cache_arg(model: Any) -> str:

@@ -38,7 +38,7 @@ import torch
 
 from kvtier.config import KvtierConfig
 from kvtier.engine import kv_pages
-from kvtier.engine.hf import CausalLM
+from kvtier.engine.hf import CausalLM, resolve_deterministic, resolve_device
 from kvtier.engine.request import TIERS, PrefillReport
 from kvtier.keys import KeyNamespace
 
@@ -62,15 +62,21 @@ class PrefixState:
     split: tuple[int, float, float] | None = None   # (hit tokens, predicted s, start) of a split
 
 
-def split_for(config: KvtierConfig) -> str:
+def split_for(config: KvtierConfig, lm: CausalLM | None = None) -> str:
     """The split policy ``engine.store_hit_split`` names: ``auto`` splits store hits only where
     the split is exact (``engine.deterministic``: batch-invariant kernels give a recomputed
     head the stored pages' bytes); elsewhere library matmuls tile by the forward's row count, so
     a head recomputed in a forward of another length rounds differently and can flip a greedy
-    token, and the hit is loaded whole."""
+    token, and the hit is loaded whole. ``lm``: the model as loaded (its kernels decide);
+    without it, the config's setting on the config's device."""
     choice = config.engine.store_hit_split
     if choice == "auto":
-        return "plan" if config.engine.deterministic else "load"
+        if lm is not None:
+            exact = lm.deterministic
+        else:
+            exact = resolve_deterministic(config.engine.deterministic,
+                                          resolve_device(config.engine.device))
+        return "plan" if exact else "load"
     return choice
 
 
@@ -96,7 +102,7 @@ class PrefixCache:
         """The cache the config asks for; ``split`` None: ``engine.store_hit_split``
         (``split_for``); ``graphs`` false skips the per-sequence path's captured suffix
         forwards (the batched engine captures its own, ``suffix_step``)."""
-        split = split_for(config) if split is None else split
+        split = split_for(config, lm) if split is None else split
         from kvtier.cache import TieredCache
 
         page_size = config.cache.page_size
@@ -329,7 +335,7 @@ def _suffix_graphs(config: KvtierConfig, lm: CausalLM) -> Any:
     from kvtier.engine import graphs
 
     engine = config.engine
-    kvtier_attention = engine.attention == "kvtier" or engine.deterministic
+    kvtier_attention = engine.attention == "kvtier" or lm.deterministic
     if (engine.graph_tokens <= 0 or not kvtier_attention or lm.device.type != "cuda"
             or graphs.unsupported_reason(lm) is not None):
         return None

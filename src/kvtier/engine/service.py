@@ -60,8 +60,11 @@ class EngineService:
             from kvtier.engine.prefix import PrefixCache
 
             prefix_cache = PrefixCache.build(config, lm, split=split, graphs=False)
-        log.info("engine ready: model %s on %s (%s), cache %s", lm.name, lm.device,
-                 lm.dtype_name, "on" if prefix_cache else "off")
+        log.info("engine ready: model %s on %s (%s), cache %s, %s", lm.name, lm.device,
+                 lm.dtype_name, "on" if prefix_cache else "off",
+                 "deterministic kernels (hits bit-identical to a recompute)" if lm.deterministic
+                 else "library kernels (engine.deterministic off: a hit's logits may differ "
+                      "from a recompute's in the last bits)")
         return cls(config, lm, prefix_cache, max_running=max_running)
 
     @property
