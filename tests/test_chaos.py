@@ -18,6 +18,7 @@ import pytest
 from redis_server import needs_redis
 
 _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "store" / "chaos.py"
+sys.path.insert(0, str(_PATH.parent))  # chaos.py imports its folder's modules by name
 _SPEC = importlib.util.spec_from_file_location("kvtier_chaos", _PATH)
 assert _SPEC is not None and _SPEC.loader is not None
 chaos = importlib.util.module_from_spec(_SPEC)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import hashlib
 import json
 import os
@@ -45,164 +44,32 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[2]
-PAGES = 24
-TARGETS = (2, 5, 9, 13)                  # pages a fault damages (where it damages pages)
-LAYERS, HEAD_DIM = 2, 32
-DTYPE_BYTES = {"bfloat16": 2, "float8_e4m3fn": 1, "float32": 4}
-
-FILE_FAULTS = ("bit_flip", "zeroed_range", "truncated", "other_page_copied", "kill9_mid_write",
-               "stale_older_format", "deleted_index", "deleted_manifest", "other_shape",
-               "other_page_size", "other_dtype", "other_tp_size", "fine_tune_same_name",
-               "clock_skew", "full_disk", "read_only_disk")
-REDIS_FAULTS = ("bit_flip", "zeroed_range", "truncated", "other_page_copied",
-                "stale_older_format", "tenant_overwrite", "evicted_mid_read", "restarted_empty",
-                "slow_server", "connection_dropped")
-
-
-@dataclass(frozen=True)
-class Cfg:
-    """What a server is configured with; every field that changes KV bytes is here."""
-
-    model: str = "tiny-llama"
-    weights: str = "base"
-    dtype: str = "bfloat16"
-    kv_heads: int = 2
-    page_tokens: int = 16
-    tp: int = 1
-    rank: int = 0
-    #: Which prompt the pages are of: 0 the shared one; > 0 others; < 0 the kill -9 writer's,
-    #: where every page is a one-page prompt of its own.
-    prompt: int = 0
-
-    @property
-    def full_page_bytes(self) -> int:
-        return LAYERS * 2 * self.kv_heads * self.page_tokens * HEAD_DIM * DTYPE_BYTES[self.dtype]
-
-    @property
-    def page_bytes(self) -> int:
-        """Bytes one rank keeps of a page (a whole page at tp 1)."""
-        return self.full_page_bytes // self.tp
-
-    def rank_ranges(self) -> list[tuple[int, int]]:
-        """(offset, length) of this rank's heads in a full page laid out
-        [layer][k|v][head][token][dim]."""
-        head = self.page_tokens * HEAD_DIM * DTYPE_BYTES[self.dtype]
-        per = self.kv_heads // self.tp
-        return [((block * self.kv_heads + self.rank * per) * head, per * head)
-                for block in range(LAYERS * 2)]
-
-
-BASE = Cfg()
-
-
-def expected_full(cfg: Cfg, i: int) -> bytes:
-    seed = hashlib.sha256(f"{cfg.model}|{cfg.weights}|{cfg.dtype}|{cfg.kv_heads}|"
-                          f"{cfg.page_tokens}|{cfg.prompt}|{i}".encode()).digest()
-    return np.random.default_rng(int.from_bytes(seed[:8], "little")).bytes(cfg.full_page_bytes)
-
-
-def expected(cfg: Cfg, i: int) -> bytes:
-    full = expected_full(cfg, i)
-    if cfg.tp == 1:
-        return full
-    return b"".join(full[o:o + n] for o, n in cfg.rank_ranges())
-
-
-@functools.lru_cache(maxsize=8)
-def prompt(count: int, seed: int) -> tuple[int, ...]:
-    rng = random.Random(7 + seed)
-    return tuple(rng.randrange(5, 30000) for _ in range(count))
-
-
-def isolated(cfg: Cfg) -> bool:
-    """Pages of the kill -9 writer: each page a one-page prompt of its own (any number)."""
-    return cfg.prompt < 0
-
-
-def page_tokens(cfg: Cfg, n: int) -> list[int]:
-    if isolated(cfg):
-        rng = random.Random(n)
-        return [rng.randrange(5, 30000) for _ in range(cfg.page_tokens)]
-    return list(prompt(PAGES * 32, cfg.prompt)[n * cfg.page_tokens:(n + 1) * cfg.page_tokens])
-
-
-def chain_hashes(cfg: Cfg, idx: list[int]) -> list[bytes]:
-    """Block hashes as vLLM and SGLang make them: a chain over each page's token ids."""
-    def step(prev: bytes, page: list[int]) -> bytes:
-        return hashlib.sha256(prev + struct.pack(f"<{len(page)}I", *page)).digest()
-
-    if isolated(cfg):
-        return [step(b"\0" * 32, page_tokens(cfg, n)) for n in idx]
-    out, prev = [], b"\0" * 32
-    for n in range(max(idx) + 1):
-        prev = step(prev, page_tokens(cfg, n))
-        out.append(prev)
-    return [out[n] for n in idx]
-
-
-@dataclass
-class Count:
-    wrong: int = 0
-    refused: int = 0
-    errors: int = 0
-    lost: int = 0
-    note: str = ""
-
-    def as_dict(self) -> dict[str, Any]:
-        return dict(wrong=self.wrong, refused=self.refused, errors=self.errors, lost=self.lost,
-                    note=self.note)
-
-
-# ---- adapters: one system's public API -------------------------------------------------------
-class Adapter:
-    """Open / put / get through a system's API; ``locate`` finds a page's payload bytes."""
-
-    name = ""
-    restart_forgets = False                # a new process starts with an empty index
-    index_files: tuple[str, ...] = ()      # metadata beside the pages ("deleted_index")
-    manifest_files: tuple[str, ...] = ()   # ("deleted_manifest")
-
-    def open(self, root: Path, cfg: Cfg) -> Any:
-        raise NotImplementedError
-
-    def put(self, h: Any, cfg: Cfg, idx: list[int], pages: list[bytes]) -> list[bool]:
-        raise NotImplementedError
-
-    def get(self, h: Any, cfg: Cfg, idx: list[int]) -> list[bytes | None]:
-        raise NotImplementedError
-
-    def close(self, h: Any) -> None:
-        pass
-
-    def locate(self, root: Path, cfg: Cfg, i: int) -> tuple[Path, int, int]:
-        """(file, offset, length) of page ``i``'s payload."""
-        raise NotImplementedError
-
-    def rewrite_older_format(self, root: Path, cfg: Cfg, i: int, payload: bytes) -> None:
-        """Leave page ``i`` as an older version of this system would have written it."""
-        path, offset, _ = self.locate(root, cfg, i)
-        _patch(path, offset, payload)
-
-    def truncate(self, root: Path, cfg: Cfg, targets: tuple[int, ...]) -> set[int]:
-        """Cut the records of ``targets`` short; the pages it damaged."""
-        for i in targets:
-            path, offset, length = self.locate(root, cfg, i)
-            os.truncate(path, offset + length // 2)
-        return set(targets)
-
-
-def _patch(path: Path, offset: int, data: bytes) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        f.write(data)
+from chaos_driver import Adapter, fresh, reopen_and_score, score
+from chaos_pages import (
+    BASE,
+    FILE_FAULTS,
+    HEAD_DIM,
+    LAYERS,
+    PAGES,
+    REDIS_FAULTS,
+    ROOT,
+    TARGETS,
+    Cfg,
+    Count,
+    chain_hashes,
+    expected,
+    isolated,
+    older_format,
+    page_tokens,
+    patch,
+    tmpfs,
+)
 
 
 class KvtierFile(Adapter):
@@ -218,7 +85,7 @@ class KvtierFile(Adapter):
         ckpt = scratch / "checkpoint"
         self.fingerprints = {}
         for weights in ("base", "tuned"):
-            _tiny_checkpoint(ckpt, weights)
+            tiny_checkpoint(ckpt, weights)
             self.fingerprints[weights] = checkpoint_fingerprint(ckpt)
 
     def keys(self, cfg: Cfg, idx: list[int]) -> list[bytes]:
@@ -291,8 +158,8 @@ class KvtierFile(Adapter):
         magic, _version, size, flags, length, _digest, key = struct.unpack("<4sHHIQQ32s", old[:60])
         body = struct.pack("<4sHHIQQ32s", magic, 0, size, flags, length,
                            payload_checksum(payload), key)
-        _patch(seg, head, body + struct.pack("<I", zlib.crc32(body)))
-        _patch(seg, offset, payload)
+        patch(seg, head, body + struct.pack("<I", zlib.crc32(body)))
+        patch(seg, offset, payload)
 
     def truncate(self, root: Path, cfg: Cfg, targets: tuple[int, ...]) -> set[int]:
         # One file holds many records: cut it in the middle of the first target's payload;
@@ -498,7 +365,7 @@ class LmcacheDisk(Adapter):
         return root / (key.to_string().replace("/", "-") + ".pt"), 0, cfg.page_bytes
 
 
-def _tiny_checkpoint(directory: Path, weights: str) -> None:
+def tiny_checkpoint(directory: Path, weights: str) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
                                                        "num_hidden_layers": LAYERS}))
@@ -511,57 +378,6 @@ def _tiny_checkpoint(directory: Path, weights: str) -> None:
 
 
 # ---- the faults ---------------------------------------------------------------------------
-def _older_format(page: bytes) -> bytes:
-    """The same KV in another byte order (an older layout: 64-byte rows reversed)."""
-    rows = [page[o:o + 64] for o in range(0, len(page), 64)]
-    return b"".join(reversed(rows))
-
-
-def _score(ad: Adapter, h: Any, cfg: Cfg, damaged: set[int], idx: list[int] | None = None,
-           reusable: bool = True) -> Count:
-    """Read every page; wrong if served bytes differ from ``cfg``'s page, lost if a page the
-    fault did not damage is not served (``reusable``: such pages should have survived)."""
-    idx = list(range(PAGES)) if idx is None else idx
-    c = Count()
-    try:
-        got = ad.get(h, cfg, idx)
-    except Exception as exc:  # counted page by page below
-        c.note = f"{type(exc).__name__}: {exc}"[:160]
-        got = []
-        for i in idx:  # page by page, to count the rest
-            try:
-                got += ad.get(h, cfg, [i])
-            except Exception:
-                c.errors += 1
-                got.append(None)
-    for i, page in zip(idx, got, strict=True):
-        if page is None:
-            c.refused += 1
-            if reusable and i not in damaged:
-                c.lost += 1
-        elif page != expected(cfg, i):
-            c.wrong += 1
-    return c
-
-
-def _fresh(ad: Adapter, root: Path, cfg: Cfg = BASE) -> None:
-    h = ad.open(root, cfg)
-    acked = ad.put(h, cfg, list(range(PAGES)), [expected(cfg, i) for i in range(PAGES)])
-    assert all(acked), f"{ad.name}: initial writes refused"
-    ad.close(h)
-
-
-def _reopen_and_score(ad: Adapter, root: Path, cfg: Cfg, damaged: set[int],
-                      reusable: bool = True) -> Count:
-    try:
-        h = ad.open(root, cfg)
-    except Exception as exc:
-        return Count(errors=1, refused=PAGES, lost=PAGES - len(damaged) if reusable else 0,
-                     note=f"open: {type(exc).__name__}: {exc}"[:160])
-    try:
-        return _score(ad, h, cfg, damaged, reusable=reusable)
-    finally:
-        ad.close(h)
 
 
 def fault_file(ad: Adapter, fault: str, root: Path, scratch: Path) -> Count:
@@ -571,17 +387,17 @@ def fault_file(ad: Adapter, fault: str, root: Path, scratch: Path) -> Count:
         return _full_disk(ad, scratch)
     if fault == "read_only_disk":
         return _read_only(ad, scratch)
-    _fresh(ad, root)
+    fresh(ad, root)
     damaged: set[int] = set(TARGETS)
     if fault == "bit_flip":
         for i in TARGETS:
             path, off, n = ad.locate(root, BASE, i)
             data = bytearray(path.read_bytes()[off + n // 3:off + n // 3 + 1])
-            _patch(path, off + n // 3, bytes([data[0] ^ 0x10]))
+            patch(path, off + n // 3, bytes([data[0] ^ 0x10]))
     elif fault == "zeroed_range":
         for i in TARGETS:
             path, off, _ = ad.locate(root, BASE, i)
-            _patch(path, off + 1024, bytes(512))
+            patch(path, off + 1024, bytes(512))
     elif fault == "truncated":
         damaged = ad.truncate(root, BASE, TARGETS)
     elif fault == "other_page_copied":
@@ -591,10 +407,10 @@ def fault_file(ad: Adapter, fault: str, root: Path, scratch: Path) -> Count:
             with open(src, "rb") as f:
                 f.seek(soff)
                 payload = f.read(n)
-            _patch(path, off, payload)
+            patch(path, off, payload)
     elif fault == "stale_older_format":
         for i in TARGETS:
-            ad.rewrite_older_format(root, BASE, i, _older_format(expected(BASE, i)))
+            ad.rewrite_older_format(root, BASE, i, older_format(expected(BASE, i)))
     elif fault in ("deleted_index", "deleted_manifest"):
         patterns = ad.index_files if fault == "deleted_index" else ad.manifest_files
         if not patterns:
@@ -612,9 +428,9 @@ def fault_file(ad: Adapter, fault: str, root: Path, scratch: Path) -> Count:
         h = ad.open(root, BASE)  # and the store keeps working: new pages go in and come out
         more = replace(BASE, prompt=1)
         ok = ad.put(h, more, list(range(4)), [expected(more, i) for i in range(4)])
-        c2 = _score(ad, h, more, set(), idx=[i for i in range(4) if ok[i]])
+        c2 = score(ad, h, more, set(), idx=[i for i in range(4) if ok[i]])
         ad.close(h)
-        c = _reopen_and_score(ad, root, BASE, damaged)
+        c = reopen_and_score(ad, root, BASE, damaged)
         c.wrong += c2.wrong
         c.errors += c2.errors
         c.lost += c2.lost
@@ -626,14 +442,14 @@ def fault_file(ad: Adapter, fault: str, root: Path, scratch: Path) -> Count:
                "other_tp_size": replace(BASE, tp=2, rank=0),
                "fine_tune_same_name": replace(BASE, weights="tuned")}[fault]
         if fault == "other_tp_size" and not ad.restart_forgets:  # right for a TP 2 rank
-            c = _reopen_and_score(ad, root, new, set(), reusable=False)
+            c = reopen_and_score(ad, root, new, set(), reusable=False)
             c.note = (c.note + " " if c.note else "") + f"{PAGES - c.refused} served"
             return c
-        c = _reopen_and_score(ad, root, new, set(range(PAGES)), reusable=False)
+        c = reopen_and_score(ad, root, new, set(range(PAGES)), reusable=False)
         if ad.restart_forgets:
             c.note = "a new server's index starts empty: nothing on disk is found"
         return c
-    return _reopen_and_score(ad, root, BASE, damaged)
+    return reopen_and_score(ad, root, BASE, damaged)
 
 
 def _kill9(ad: Adapter, root: Path, rounds: int = 4) -> Count:
@@ -676,7 +492,7 @@ def writer_main(system: str, root: Path, start: int) -> None:
     """Write pages in batches forever, printing the acknowledged ones (killed by the parent)."""
     scratch = root.parent / f"writer-{start}"
     scratch.mkdir(exist_ok=True)
-    ad = _adapter(system, scratch)
+    ad = adapter(system, scratch)
     cfg = replace(BASE, prompt=-1)
     h = ad.open(root, cfg)
     print("open", flush=True)
@@ -688,22 +504,11 @@ def writer_main(system: str, root: Path, start: int) -> None:
         i += 4
 
 
-@contextlib.contextmanager
-def _tmpfs(scratch: Path, size: str) -> Iterator[Path]:
-    mount = Path(tempfile.mkdtemp(dir=scratch))
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
-                   check=True)
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
-
-
 def _full_disk(ad: Adapter, scratch: Path) -> Count:
     if os.geteuid() != 0:
         return Count(note="skipped: mounting a small tmpfs needs root")
     c = Count()
-    with _tmpfs(scratch, "256k") as root:
+    with tmpfs(scratch, "256k") as root:
         h = ad.open(root, BASE)
         acked: set[int] = set()
         for i in range(PAGES):  # 24 pages of 8 KiB + metadata into 256 KiB ... then past it
@@ -727,7 +532,7 @@ def _full_disk(ad: Adapter, scratch: Path) -> Count:
             c.note = f"write when full: {type(exc).__name__}"
             refused_writes = 4
         ad.close(h)
-        got = _reopen_and_score(ad, root, BASE, set(range(PAGES)) - acked)
+        got = reopen_and_score(ad, root, BASE, set(range(PAGES)) - acked)
         c.wrong, c.lost = got.wrong, got.lost
         c.errors += got.errors
         c.refused = got.refused
@@ -739,10 +544,10 @@ def _full_disk(ad: Adapter, scratch: Path) -> Count:
 def _read_only(ad: Adapter, scratch: Path) -> Count:
     if os.geteuid() != 0:
         return Count(note="skipped: remounting read-only needs root")
-    with _tmpfs(scratch, "16m") as root:
-        _fresh(ad, root)
+    with tmpfs(scratch, "16m") as root:
+        fresh(ad, root)
         subprocess.run(["mount", "-o", "remount,ro", str(root)], check=True)
-        c = _reopen_and_score(ad, root, BASE, set())
+        c = reopen_and_score(ad, root, BASE, set())
         try:
             h = ad.open(root, BASE)
             more = replace(BASE, prompt=3)
@@ -792,7 +597,7 @@ def fault_redis(ad: KvtierRedis, fault: str) -> Count:
             for i in TARGETS:
                 k = ad.rkey(BASE, i)
                 value = client.get(k)
-                payload = _older_format(expected(BASE, i))
+                payload = older_format(expected(BASE, i))
                 f = list(struct.unpack("<4sHHIQQ32s", value[:60]))
                 f[1], f[5] = 0, payload_checksum(payload)
                 body = struct.pack("<4sHHIQQ32s", *f)
@@ -816,7 +621,7 @@ def fault_redis(ad: KvtierRedis, fault: str) -> Count:
             return _redis_slow(ad, h, client)
         elif fault == "connection_dropped":
             return _redis_dropped(ad, h, client)
-        return _score(ad, h, BASE, damaged, reusable=reusable)
+        return score(ad, h, BASE, damaged, reusable=reusable)
     finally:
         h.close()
         client.close()
@@ -839,7 +644,7 @@ def _redis_evicted(ad: KvtierRedis, h: Any, client: Any) -> Count:
     thread.start()
     try:
         for _ in range(30):
-            got = _score(ad, h, BASE, set(range(PAGES)), reusable=False)
+            got = score(ad, h, BASE, set(range(PAGES)), reusable=False)
             c.wrong += got.wrong
             c.refused += got.refused
             c.errors += got.errors
@@ -858,18 +663,18 @@ def _redis_slow(ad: KvtierRedis, h: Any, client: Any) -> Count:
         admin = ad.server.client()
         admin.execute_command("CLIENT", "PAUSE", pause_ms, "ALL")
         t0 = time.monotonic()
-        got = _score(ad, h, BASE, set(range(PAGES)), reusable=False)
+        got = score(ad, h, BASE, set(range(PAGES)), reusable=False)
         worst = max(worst, time.monotonic() - t0)
         c.wrong += got.wrong
         c.refused += got.refused
         c.errors += got.errors
         admin.execute_command("CLIENT", "UNPAUSE")
         admin.close()
-        after = _score(ad, h, BASE, set(), reusable=True)  # served again once it answers
+        after = score(ad, h, BASE, set(), reusable=True)  # served again once it answers
         deadline = time.monotonic() + 10
         while after.lost and time.monotonic() < deadline:
             time.sleep(0.2)
-            after = _score(ad, h, BASE, set(), reusable=True)
+            after = score(ad, h, BASE, set(), reusable=True)
         c.wrong += after.wrong
         c.lost += after.lost
     c.note = f"pauses 0.1/1/5 s; slowest read call {worst:.2f} s (deadline 0.5 s)"
@@ -892,7 +697,7 @@ def _redis_dropped(ad: KvtierRedis, h: Any, client: Any) -> Count:
     thread.start()
     try:
         for _ in range(40):
-            got = _score(ad, h, BASE, set(range(PAGES)), reusable=False)
+            got = score(ad, h, BASE, set(range(PAGES)), reusable=False)
             c.wrong += got.wrong
             c.refused += got.refused
             c.errors += got.errors
@@ -938,16 +743,16 @@ def _damage_store(fault: str, root: Path) -> None:
                 f.seek(off + length // 3)
                 f.write(bytes([byte ^ 0x10]))
         elif fault == "zeroed_range":
-            _patch(seg, off + length // 4, bytes(min(512, length // 2)))
+            patch(seg, off + length // 4, bytes(min(512, length // 2)))
         elif fault == "other_page_copied" and len(records) > 1:
             src, _, soff, _ = records[(n + 1) % len(records)]
             with open(src, "rb") as f:
                 f.seek(soff)
-                _patch(seg, off, f.read(length))
+                patch(seg, off, f.read(length))
         elif fault == "stale_older_format":
             body = bytearray(seg.read_bytes()[head:head + 60])
             body[4:6] = struct.pack("<H", 0)
-            _patch(seg, head, bytes(body) + struct.pack("<I", zlib.crc32(bytes(body))))
+            patch(seg, head, bytes(body) + struct.pack("<I", zlib.crc32(bytes(body))))
     if fault == "truncated":
         for seg in sorted((root / "segments").glob("*.seg")):
             os.truncate(seg, seg.stat().st_size // 2)
@@ -1011,7 +816,7 @@ def run_server_faults(faults: tuple[str, ...] = SERVE_FAULTS) -> dict[str, Any]:
                 out[fault] = Count(note="skipped: remounting read-only needs root").as_dict()
                 continue
             with contextlib.ExitStack() as stack:
-                root = (stack.enter_context(_tmpfs(Path(tmp), "4g")) if fault ==
+                root = (stack.enter_context(tmpfs(Path(tmp), "4g")) if fault ==
                         "read_only_disk" else Path(tmp) / fault) / "disk"
                 first = _service(root, 0)
                 try:
@@ -1040,7 +845,7 @@ def run_server_faults(faults: tuple[str, ...] = SERVE_FAULTS) -> dict[str, Any]:
 
 
 # ---- workers and the parent ----------------------------------------------------------------
-def _adapter(system: str, scratch: Path, server: Any = None) -> Adapter:
+def adapter(system: str, scratch: Path, server: Any = None) -> Adapter:
     if system == "kvtier-file":
         return KvtierFile(scratch)
     if system == "kvtier-redis":
@@ -1058,7 +863,7 @@ def run_file_faults(system: str, faults: tuple[str, ...] = FILE_FAULTS) -> dict[
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
-        ad = _adapter(system, scratch)
+        ad = adapter(system, scratch)
         for fault in faults:
             root = scratch / fault
             root.mkdir()
