@@ -1,13 +1,17 @@
 """A ``file://`` store whose index (HEAD, journal, snapshot) was deleted rebuilds it from the
 segments' record headers: every intact page reads back byte for byte, damaged records are
 skipped and counted (never served), a fresh directory never rebuilds, new segment ids never name
-a scanned segment, and a rebuild cut short is finished by the next opening."""
+a scanned segment, and a rebuild cut short (a torn append, a kill -9 midway) is finished by
+the next opening."""
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import struct
+import subprocess
+import sys
 import threading
 import zlib
 from pathlib import Path
@@ -218,4 +222,34 @@ def test_handles_opening_a_lost_index_at_once_rebuild_it_once(tmp_path: Path) ->
     for store in stores:
         assert served(store, range(PAGES)) == [True] * PAGES
         store.close()
+    assert journal_markers(tmp_path) == [REBUILD_BEGIN, REBUILD_DONE]
+
+
+#: A process that rebuilds the index and is killed (SIGKILL) halfway through the rebuild's
+#: journal append: half of its entries reach the journal, then the process dies.
+_KILLED_REBUILD = """
+import os, signal, sys
+sys.path.insert(0, sys.argv[1])
+from kvtier.store.file.journal import Journal
+from kvtier.store.file.store import FileStore
+def half_then_die(self, encoded):
+    os.write(self.fd, b"".join(encoded[:len(encoded) // 2]))
+    os.kill(os.getpid(), signal.SIGKILL)
+Journal._write_locked = half_then_die
+FileStore(sys.argv[2], int(sys.argv[3]), None)
+"""
+
+
+def test_a_rebuild_killed_midway_is_finished_by_the_next_opening(tmp_path: Path) -> None:
+    written_store(tmp_path)
+    delete_index(tmp_path)
+    src = str(Path(__file__).resolve().parents[3] / "src")
+    proc = subprocess.run([sys.executable, "-c", _KILLED_REBUILD, src, str(tmp_path), str(PAGE)],
+                          timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert journal_markers(tmp_path) == [REBUILD_BEGIN]  # begun, not finished
+    store = open_file(tmp_path)
+    assert served(store, range(PAGES)) == [True] * PAGES
+    assert store.stats().recovered == PAGES
+    store.close()
     assert journal_markers(tmp_path) == [REBUILD_BEGIN, REBUILD_DONE]
