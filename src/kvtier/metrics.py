@@ -232,7 +232,8 @@ def _cache(cache: Mapping[str, Any]) -> Iterator[Metric]:
 def _stores(stores: Mapping[str, Mapping[str, Any]]) -> Iterator[Metric]:
     labels = ("tier", "backend")
     rows: dict[str, Rows] = {k: [] for k in ("bytes", "errors", "reads", "evicted", "dropped",
-                                             "corrupt", "used", "pages", "capacity")}
+                                             "recovered", "corrupt", "used", "pages",
+                                             "capacity")}
     for tier, st in sorted(stores.items()):
         who = (tier, str(st.get("backend", "")))
         rows["bytes"] += [((*who, "read"), st.get("bytes_read", 0)),
@@ -242,6 +243,8 @@ def _stores(stores: Mapping[str, Mapping[str, Any]]) -> Iterator[Metric]:
         rows["reads"] += [((*who, "hit"), st.get("hits", 0)), ((*who, "miss"), st.get("misses", 0))]
         rows["evicted"].append((who, st.get("evicted", 0)))
         rows["dropped"].append((who, st.get("dropped", 0)))
+        rows["recovered"] += [((*who, "recovered"), st.get("recovered", 0)),
+                              ((*who, "skipped"), st.get("recovery_skipped", 0))]
         rows["corrupt"].append(((tier,), st.get("corrupt", 0)))
         rows["used"].append((who, st.get("bytes", 0)))
         rows["pages"].append((who, st.get("pages", 0)))
@@ -259,6 +262,10 @@ def _stores(stores: Mapping[str, Mapping[str, Any]]) -> Iterator[Metric]:
     yield _counter("kvtier_store_dropped_pages_total", "Pages a store removed because they "
                    "failed verification; the next write stores them again.", rows["dropped"],
                    labels)
+    yield _counter("kvtier_store_recovered_records_total", "Records a disk store re-indexed "
+                   "from its segments after its index was lost (recovered), and those it "
+                   "skipped (torn, corrupt, another format; never served).", rows["recovered"],
+                   (*labels, "outcome"))
     yield _counter("kvtier_page_corrupt_total", "Pages that failed verification on read (never "
                    "served).", rows["corrupt"], ("tier",))
     yield _gauge("kvtier_store_used_bytes", "Bytes a store holds.", rows["used"], labels)

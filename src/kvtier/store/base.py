@@ -44,6 +44,10 @@ class StoreStats:
     errors: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
+    #: Records re-indexed from the segments after a lost index (``file://``), and those of
+    #: them skipped (torn, corrupt, another format): never served.
+    recovered: int = 0
+    recovery_skipped: int = 0
 
     def as_dict(self) -> dict[str, object]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -71,7 +75,7 @@ class StoreCounters:
     """Lifetime counters of a store, safe to bump from several threads."""
 
     NAMES = ("hits", "misses", "corrupt", "refused", "evicted", "dropped", "errors",
-             "bytes_read", "bytes_written")
+             "bytes_read", "bytes_written", "recovered", "recovery_skipped")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

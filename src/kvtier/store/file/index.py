@@ -4,7 +4,8 @@ Owns ``PageIndex``: key -> location of the live record (segment id << 32 | slot)
 into each segment (for eviction), each segment's high-water slot (for disk accounting), the
 keys read since they were written (the reinsertion bit of FIFO-with-reinsertion) and the highest
 segment id the directory ever used (raised by every entry naming a segment and carried through
-snapshots, so an id is never handed out twice). It changes
+snapshots, so an id is never handed out twice), and whether a rebuild of the index from the
+segments (``rebuild``) was begun and not finished. It changes
 only by applying journal entries, in journal order, so every process sharing a directory
 converges on the same mapping. Not thread-safe: ``FileStore`` guards it with its index lock.
 """
@@ -27,6 +28,9 @@ from kvtier.store.file.journal import (
 
 SLOT_BITS = 32
 SLOT_MASK = (1 << SLOT_BITS) - 1
+#: Values of the segment entries that open and close an index rebuilt from the segments
+#: (``rebuild``); a segment entry handing out one id carries 0.
+REBUILD_BEGIN, REBUILD_DONE = 1, 2
 
 
 def location(seg: int, slot: int) -> int:
@@ -47,6 +51,7 @@ class PageIndex:
         self.hot: set[bytes] = set()
         self.total_slots = 0  # sum of seg_slots, kept as a running total
         self.max_seg = -1  # the highest segment id ever used in the directory
+        self.rebuilding = False  # the journal began a rebuild from the segments, not ended it
         self._on_evict = on_evict
 
     # ---- journal entries -----------------------------------------------------------------
@@ -61,6 +66,8 @@ class PageIndex:
             self.drop_segment(entry.seg)
         elif entry.op == OP_SEGMENT:
             self.max_seg = max(self.max_seg, entry.seg)
+            if entry.value in (REBUILD_BEGIN, REBUILD_DONE):
+                self.rebuilding = entry.value == REBUILD_BEGIN
 
     def put(self, key: bytes, seg: int, slot: int) -> None:
         self.where[key] = location(seg, slot)

@@ -15,7 +15,8 @@ threads that call the store do all the work, so nothing can die silently.
 Directory::
 
     kvtier-store.json   layout (page bytes, record alignment, slots per segment)
-    HEAD, journal.<g>, snapshot.<g>   the shared index (see journal)
+    HEAD, journal.<g>, snapshot.<g>   the shared index (see journal; rebuilt from the
+                        segments' record headers when lost: see rebuild)
     evict.lock          one evicting process at a time
     segments/<id>.seg   records
 
@@ -57,6 +58,7 @@ from kvtier.store.file.health import manifest_identity, probe_file_store
 from kvtier.store.file.index import SLOT_BITS, PageIndex
 from kvtier.store.file.journal import OP_DELETE, OP_PUT, OP_SEGMENT, Entry, Journal
 from kvtier.store.file.options import FileStoreOptions, file_url_path
+from kvtier.store.file.rebuild import recover_lost_index
 from kvtier.store.file.record_io import RecordIO, plans_of, slot_runs
 from kvtier.store.file.segment import list_segments, load_or_create_manifest
 from kvtier.store.file.segment_files import SegmentReaders, SegmentWriter, Slot
@@ -141,6 +143,14 @@ class FileStore(PageStore):
                 self.journal.close()
                 self.index = PageIndex(on_evict=self.readers.retire)
                 self.journal = Journal(self.root, apply_rows=self.index.load_rows)
+        with self._lock:
+            rebuilt = recover_lost_index(self.journal, self.index, self.segments_dir, self.layout)
+        if rebuilt is not None:
+            self.counters.add(recovered=rebuilt.recovered, recovery_skipped=rebuilt.skipped)
+            log.warning("file store %s: its index (HEAD, journal, snapshot) was lost; rebuilt it "
+                        "from %d segments: %d pages recovered, %d records skipped (torn, corrupt "
+                        "or of another format; never served)", self.root, rebuilt.segments,
+                        rebuilt.recovered, rebuilt.skipped)
         with self._lock:
             freed = self.journal.remove_stale_generations(self.index.apply)
         if freed:
