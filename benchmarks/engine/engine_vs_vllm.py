@@ -3,7 +3,7 @@
 Both engines run on the same machine, each case in a fresh process (``--case``), an
 8B-shaped model (``--preset llama3-8b-shape``, random weights: vLLM ``load_format="dummy"``,
 kvtier a seeded preset), bf16, seeded random prompts of ids 5..1000 (the same ids for both
-engines where both run a prompt: ``vllm_gpu.prompt``). Cases:
+engines where both run a prompt: ``vllm_gpu_case.prompt``). Cases:
 
 - ``kernel``: the paged prefill kernel (``kvtier.engine.paged_triton``) against
   ``F.scaled_dot_product_attention`` (flash backend, causal, K/V repeated to every query head
@@ -58,15 +58,17 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vllm"))    # vllm_gpu (another folder)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vllm"))    # vllm_gpu, vllm_gpu_case
+                                                                           # (another folder)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serve"))   # batching_gpu (another folder)
 
 import vllm_gpu
-from vllm_gpu import emit, log, prompt
+import vllm_gpu_case
+from vllm_gpu_case import emit, log, prompt
 
 CASES = ("kernel", "kvtier", "kvtier_det", "vllm_main", "vllm_native")
 SUFFIX_TOKENS = 32                       # a hit's new tokens (kvtier bench ttft's default)
-NEW_TOKENS = vllm_gpu.THROUGHPUT_NEW     # 128 generated tokens a throughput or ITL prompt
+NEW_TOKENS = vllm_gpu_case.THROUGHPUT_NEW     # 128 generated tokens a throughput or ITL prompt
 ITL_BATCHES = (1, 16)
 #: Goals (kvtier / vLLM), from the engine's targets: TTFT and latency at most, throughput at
 #: least.
@@ -280,7 +282,7 @@ def kvtier_case(args: argparse.Namespace, deterministic: bool = False) -> dict[s
         """kvtier bench ttft's run over prompt ids from vLLM's range."""
 
         def tokens(self, n: int) -> list[int]:
-            return [self.rng.randrange(vllm_gpu.TOKEN_LOW, vllm_gpu.TOKEN_HIGH) for _ in range(n)]
+            return [self.rng.randrange(vllm_gpu_case.TOKEN_LOW, vllm_gpu_case.TOKEN_HIGH) for _ in range(n)]
 
     ttft_run = SameIds(config, lm, TtftPlan(prefix_tokens=tuple(args.lengths),
                                             tiers=("device", "host"), repeats=args.repeats,
@@ -339,7 +341,7 @@ def kvtier_case(args: argparse.Namespace, deterministic: bool = False) -> dict[s
 # cases: vLLM
 # ================================================================================================
 def vllm_args(args: argparse.Namespace, case: str) -> argparse.Namespace:
-    """The settings ``vllm_gpu.Case`` reads."""
+    """The settings ``vllm_gpu_case.Case`` reads."""
     return argparse.Namespace(
         case=case, mode="graphs", model_dir=args.model_dir, dtype=args.dtype,
         max_model_len=max(args.lengths) + 256, block_size=args.vllm_block_size,
@@ -363,7 +365,7 @@ def vllm_many(case: Any, prompts: list[list[int]], new: int) -> float:
 
 
 def vllm_case(args: argparse.Namespace, name: str) -> dict[str, Any]:
-    case = vllm_gpu.Case(vllm_args(args, "alone" if name == "vllm_main" else "native"))
+    case = vllm_gpu_case.Case(vllm_args(args, "alone" if name == "vllm_main" else "native"))
     case.build()
     res: dict[str, Any] = {"versions": case.res.get("versions"), "init_s": case.res.get("init_s"),
                            "ttft": {}}
@@ -660,7 +662,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--lengths", default="4096,32768")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--levels", default="16,64", help="concurrent prompts of the throughput runs")
-    p.add_argument("--throughput-prompt", type=int, default=vllm_gpu.THROUGHPUT_PROMPT,
+    p.add_argument("--throughput-prompt", type=int, default=vllm_gpu_case.THROUGHPUT_PROMPT,
                    help="prompt tokens of the throughput runs")
     p.add_argument("--device", default="cuda", help="kvtier's device (cpu: a dry run of the script)")
     p.add_argument("--dtype", default="bfloat16")

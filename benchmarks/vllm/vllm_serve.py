@@ -78,7 +78,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from vllm_gpu import TOKEN_HIGH, build_model_dir
+from vllm_gpu import build_model_dir
+from vllm_gpu_case import TOKEN_HIGH
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = ("alone", "native", "kvtier")
