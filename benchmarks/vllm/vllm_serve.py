@@ -22,15 +22,16 @@ GPU memory for KV, chosen from the workloads so that their working set does not 
                          + staging_tokens)
 
 The working set is every distinct full block of the workload's prompts plus its outputs
-(``working_set_tokens``). The in-flight term keeps the requests in flight on the GPU without
-preemption (a smaller cache would measure preemption, not offloading). kvtier's staging pages
-are GPU memory beside vLLM's KV cache (a hit staged on its way from the host tier, a prompt
-being stored, kvtier's device tier): they come out of kvtier's ``--kv-cache-memory-bytes``, so
-all three servers hold the same GPU bytes of KV (``--kvtier-extra-gpu``: on top instead). They
-are sized so that each request in flight can stage a whole prompt: a save that finds no free
-staging page is refused (counted ``vllm:kvtier_saves_refused_no_staging``). The host size,
-``--host-gib``, defaults to 1.5 x the largest working set, so both tiers below the GPU can keep
-a whole workload. The numbers and which term won are in the JSON (``plan``).
+(``vllm_serve_plan.working_set_tokens``). The in-flight term keeps the requests in flight on the
+GPU without preemption (a smaller cache would measure preemption, not offloading). kvtier's
+staging pages are GPU memory beside vLLM's KV cache (a hit staged on its way from the host tier,
+a prompt being stored, kvtier's device tier): they come out of kvtier's
+``--kv-cache-memory-bytes``, so all three servers hold the same GPU bytes of KV
+(``--kvtier-extra-gpu``: on top instead). They are sized so that each request in flight can
+stage a whole prompt: a save that finds no free staging page is refused (counted
+``vllm:kvtier_saves_refused_no_staging``). The host size, ``--host-gib``, defaults to 1.5 x the
+largest working set, so both tiers below the GPU can keep a whole workload. The numbers and
+which term won are in the JSON (``plan``).
 
 Workloads (token-id prompts, seeded, the same for every config; kvtier's load generator,
 ``kvtier.bench.serve_load``, at ``--concurrency`` requests in flight):
