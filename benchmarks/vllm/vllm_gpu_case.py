@@ -2,7 +2,9 @@
 --case NAME --mode MODE`` starts, its measurements (TTFT, hits by tier, greedy tokens, the
 throughput batch) and the settings every case shares (the case names, kvtier's variants, the
 seeded prompts, the ``@@`` lines the parent reads). The child's main thread runs it; vLLM runs
-its engine in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+its engine in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). ``log`` also serves the parent;
+``engine/engine_vs_vllm.py``'s modules run ``Case`` and use the prompts, and
+``vllm_serve_plan.py`` the token range.
 """
 
 from __future__ import annotations
