@@ -1,6 +1,7 @@
-"""``benchmarks/vllm/vllm_serve.py``'s pure parts: the working set of a workload, the memory plan that
-keeps it off the GPU (kvtier's staging pages inside the same GPU budget, the same host GiB for
-native offloading and kvtier), the servers' flags, and the counters read from ``/metrics``."""
+"""``benchmarks/vllm/vllm_serve.py``'s pure parts (its modules ``vllm_serve_plan.py`` and
+``vllm_serve_server.py``): the working set of a workload, the memory plan that keeps it off the
+GPU (kvtier's staging pages inside the same GPU budget, the same host GiB for native offloading
+and kvtier), the servers' flags, and the counters read from ``/metrics``."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "vllm"))
 
-import vllm_serve
+import vllm_serve_plan
+import vllm_serve_server
 from kvtier.bench.serve_workloads import shared_prefix
 
 
@@ -20,7 +22,7 @@ def _args(**over: object) -> argparse.Namespace:
                 groups=24, prefix_len=4096, suffix_len=256, rounds=3, conversations=32, turns=5,
                 system_len=1024, user_len=384, output_len=64, gpu_kv_fraction=0.25,
                 inflight_headroom=1.25, gpu_kv_bytes=0, host_gib=0.0, staging_pages=0,
-                kvtier_extra_gpu=False, workloads=list(vllm_serve.WORKLOADS), eager=False,
+                kvtier_extra_gpu=False, workloads=list(vllm_serve_plan.WORKLOADS), eager=False,
                 model_dir="/m", vllm_args="")
     base.update(over)
     return argparse.Namespace(**base)
@@ -28,30 +30,30 @@ def _args(**over: object) -> argparse.Namespace:
 
 def test_working_set_counts_each_distinct_block_once_plus_outputs():
     requests = shared_prefix(8, 2, 64, 16, 4, vocab=500)     # 2 prefixes of 4 blocks
-    assert vllm_serve.working_set_tokens(requests, 16) == (2 * 4 + 8) * 16 + 8 * 4
-    assert vllm_serve.working_set_tokens(requests, 32) == (2 * 2) * 32 + 8 * 4  # 80: 2 blocks
+    assert vllm_serve_plan.working_set_tokens(requests, 16) == (2 * 4 + 8) * 16 + 8 * 4
+    assert vllm_serve_plan.working_set_tokens(requests, 32) == (2 * 2) * 32 + 8 * 4  # 80: 2 blocks
 
 
 def test_plan_keeps_the_working_set_off_the_gpu_and_gives_every_server_the_same_kv_bytes():
     args = _args()
-    plan = vllm_serve.plan_memory(args, vllm_serve.build_workloads(args))
+    plan = vllm_serve_plan.plan_memory(args, vllm_serve_plan.build_workloads(args))
     assert plan["kv_bytes_per_token"] == 32 * 8 * 128 * 2 * 2
     assert all(share < 1 for share in plan["gpu_share_of_working_set"].values())
     assert plan["kvtier_staging_pages"] == 4 * (4096 + 256) // 16      # a prompt per request
     assert plan["kvtier_vllm_kv_bytes"] + plan["kvtier_staging_bytes"] == plan["gpu_kv_bytes"]
     inflight = 4 * plan["longest_request_tokens"] * plan["kv_bytes_per_token"]
     assert plan["kvtier_vllm_kv_bytes"] >= inflight                       # no preemption
-    extra = vllm_serve.plan_memory(_args(kvtier_extra_gpu=True),
-                                   vllm_serve.build_workloads(args))
+    extra = vllm_serve_plan.plan_memory(_args(kvtier_extra_gpu=True),
+                                        vllm_serve_plan.build_workloads(args))
     assert extra["kvtier_vllm_kv_bytes"] == extra["gpu_kv_bytes"]
 
 
 def test_native_and_kvtier_get_the_same_host_memory():
     args = _args()
-    plan = vllm_serve.plan_memory(args, vllm_serve.build_workloads(args))
-    native = vllm_serve.server_command(args, "native", 8000, plan)
-    kvtier = vllm_serve.server_command(args, "kvtier", 8000, plan)
-    alone = vllm_serve.server_command(args, "alone", 8000, plan)
+    plan = vllm_serve_plan.plan_memory(args, vllm_serve_plan.build_workloads(args))
+    native = vllm_serve_server.server_command(args, "native", 8000, plan)
+    kvtier = vllm_serve_server.server_command(args, "kvtier", 8000, plan)
+    alone = vllm_serve_server.server_command(args, "alone", 8000, plan)
     gib = native[native.index("--kv-offloading-size") + 1]
     extra = json.loads(kvtier[kvtier.index("--kv-transfer-config") + 1])
     assert extra["kv_connector"] == "KvtierConnector"
@@ -73,6 +75,6 @@ def test_counters_are_summed_over_labels_and_only_the_wanted_ones():
         'vllm:kv_offload_load_bytes_bucket{le="1"} 5',
         'vllm:kv_offload_cpu_cache_usage_perc{engine="0"} 0.5',
         'vllm:generation_tokens_total{engine="0"} 99'])
-    assert vllm_serve.parse_counters(text) == {
+    assert vllm_serve_server.parse_counters(text) == {
         "vllm:prefix_cache_hits": 15.0, "vllm:kvtier_hit_tokens_host": 4096.0,
         "vllm:kv_offload_load_bytes_sum": 1e6}

@@ -1,0 +1,105 @@
+"""``engine_vs_vllm.py``'s ``kvtier`` and ``kvtier_det`` cases: kvtier's engine in-process
+(``EngineService``, no HTTP): TTFT of recompute, device hit and host hit (``kvtier bench
+ttft``'s run over vLLM's prompt ids), generated tokens/s at each concurrency level and the
+decode inter-token latency, with ``engine.deterministic`` off or on. The main thread of the
+child process (``engine_vs_vllm.py --case kvtier``) runs it; the engine runs on its own
+thread, as in ``kvtier serve``.
+
+Imports ``batching_gpu`` (``benchmarks/serve``) and ``vllm_gpu_case`` (``benchmarks/vllm``):
+``engine_vs_vllm.py`` puts both folders on ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from engine_vs_vllm_measure import (
+    ITL_BATCHES,
+    NEW_TOKENS,
+    SUFFIX_TOKENS,
+    attempt,
+    itl_from,
+    throughput_prompts,
+)
+from vllm_gpu_case import TOKEN_HIGH, TOKEN_LOW, emit, log, prompt
+
+
+def kvtier_case(args: argparse.Namespace, deterministic: bool = False) -> dict[str, Any]:
+    import torch
+
+    from batching_gpu import _generate_all, _service, _timed_concurrent
+    from kvtier.bench.ttft import TtftPlan, TtftRun, summarize
+    from kvtier.config import build_config
+    from kvtier.engine.hf import load_model
+
+    res: dict[str, Any] = {}
+    started = time.perf_counter()
+    lm = load_model(args.preset, device=args.device, dtype=args.dtype, deterministic=deterministic)
+    res["load_s"] = round(time.perf_counter() - started, 1)
+    host_pool = f"{int(args.offload_gib)}GiB"
+    pinned = f"{2 * int(args.offload_gib) + 4}GiB"   # two TTFT services hold a host pool each
+    flags = {"engine.model": args.preset, "engine.device": args.device, "engine.dtype": args.dtype,
+             "host.pool_bytes": host_pool, "host.pinned_budget_bytes": pinned,
+             "cache.device_memory_fraction": str(args.kvtier_ttft_fraction),
+             "engine.deterministic": str(deterministic).lower()}
+    config = build_config(env={}, flags=flags)
+
+    class SameIds(TtftRun):
+        """kvtier bench ttft's run over prompt ids from vLLM's range."""
+
+        def tokens(self, n: int) -> list[int]:
+            return [self.rng.randrange(TOKEN_LOW, TOKEN_HIGH) for _ in range(n)]
+
+    ttft_run = SameIds(config, lm, TtftPlan(prefix_tokens=tuple(args.lengths),
+                                            tiers=("device", "host"), repeats=args.repeats,
+                                            suffix_tokens=SUFFIX_TOKENS),
+                       progress=lambda label: log(f"kvtier ttft {label}"))
+    attempt(res, "ttft_run", lambda: ttft_run.run() or "done")
+    res["ttft_summary"] = summarize(ttft_run)
+    ttft: dict[str, Any] = {}
+    for row in res["ttft_summary"]["rows"]:
+        key = {"recompute": "recompute", "device": "device_hit", "host": "host_hit"}[row["tier"]]
+        ttft.setdefault(str(row["prefix_tokens"]), {})[f"{key}_ms"] = round(row["ttft_s"] * 1e3, 2)
+        if row["tier"] != "recompute":
+            ttft[str(row["prefix_tokens"])][f"{key}_cached_by_tier"] = row["cached_by_tier"]
+            ttft[str(row["prefix_tokens"])][f"{key}_cached"] = [row["cached_tokens"]]
+    res["ttft"] = ttft
+    emit("PARTIAL", **res)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+    service = _service(lm, args.device, args.dtype, max(args.levels), host_pool,
+                       device_fraction=args.kvtier_device_fraction,
+                       extra={"host.pinned_budget_bytes": pinned,
+                              "engine.deterministic": str(deterministic).lower()})
+    try:
+        _generate_all(service, [prompt(64, seed=990 + i) for i in range(2)], 8)   # warm-up
+        graphs = service.engine.decode_graphs
+        if graphs is not None:   # capture now (on the engine thread), not on the clock
+            keys = args.throughput_prompt + NEW_TOKENS
+            service.scheduler.call_soon(
+                lambda: graphs.warm(service.engine.pages.kv, keys)).result(timeout=600)
+        _timed_concurrent(service, [prompt(args.throughput_prompt, seed=995 + i) for i in range(2)],
+                          NEW_TOKENS)                                            # warm-up
+        res["throughput"], res["itl"] = {}, {}
+        for level in args.levels:
+            one = attempt(res["throughput"], str(level), lambda level=level: _timed_concurrent(
+                service, throughput_prompts(level, args.throughput_prompt), NEW_TOKENS))
+            if one:
+                one["gen_tok_s"] = one["tokens_per_s"]
+            log(f"kvtier throughput {level}: {one}")
+            emit("PARTIAL", **res)
+
+        def run(prompts: list[list[int]], new: int) -> float:
+            return float(_timed_concurrent(service, prompts, new)["seconds"])
+
+        for b in ITL_BATCHES:
+            attempt(res["itl"], str(b),
+                    lambda b=b: itl_from(run, b, args.itl_prompt, args.itl_repeats))
+        log(f"kvtier itl {res['itl']}")
+        res["engine_stats"] = service.engine.stats()
+    finally:
+        service.close()
+    return res

@@ -1,0 +1,59 @@
+"""``vllm_serve.py``'s report: per workload and config the TTFT, ITL, rates, cached share,
+preemptions and failures, the kvtier/native and kvtier/alone ratios as a table, and the GPU's
+tag the result files are named after. The main thread runs it once every server has stopped.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from typing import Any
+
+from vllm_serve_server import CONFIGS
+
+METRICS = (("ttft_ms_p50", "TTFT p50"), ("ttft_ms_p99", "TTFT p99"), ("itl_ms_p50", "ITL p50"),
+           ("requests_per_s", "req/s"), ("output_tokens_per_s", "out tok/s"),
+           ("cached_tokens_share", "cached"))
+
+
+def _ratio(a: Any, b: Any) -> float | None:
+    ok = isinstance(a, (int, float)) and isinstance(b, (int, float)) and b
+    return round(a / b, 3) if ok else None
+
+
+def summarize_runs(results: list[dict[str, Any]],
+                   workloads: list[str]) -> tuple[dict[str, Any], str]:
+    from kvtier.machine import format_table
+
+    by = {r["config"]: r.get("workloads", {}) for r in results}
+    summary: dict[str, Any] = {}
+    rows = []
+    for name in workloads:
+        cells = {c: by.get(c, {}).get(name, {}) for c in CONFIGS}
+        ratios = {f"kvtier/{base}": {key: _ratio(cells["kvtier"].get(key), cells[base].get(key))
+                                     for key, _ in METRICS[:-1]} for base in ("native", "alone")}
+        summary[name] = {"ratios": ratios}
+        for c in CONFIGS:
+            w = cells[c]
+            hits = w.get("vllm_counters", {})
+            rows.append([name, c, *[w.get(key) for key, _ in METRICS],
+                         int(hits.get("vllm:num_preemptions", 0)) if hits else None,
+                         w.get("failed", w.get("error", "not run"))])
+        for base, r in ratios.items():
+            rows.append([name, base, *[r.get(key) for key, _ in METRICS[:-1]], "", "", ""])
+    text = format_table(["workload", "config", *[label for _, label in METRICS], "preempt",
+                         "failed"], rows)
+    text += "\n(times in ms; cached: share of prompt tokens the server reports cached; " \
+            "kvtier/X rows: ratios, lower is better for times, higher for rates)"
+    return summary, text
+
+
+def gpu_tag() -> str:
+    try:
+        name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "cpu"
+    for tag in ("h200", "h100", "a100", "l40s", "b200"):
+        if tag in name.lower():
+            return tag
+    return name.split("\n")[0].strip().lower().replace(" ", "_") or "cpu"
