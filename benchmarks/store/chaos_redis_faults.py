@@ -104,17 +104,9 @@ def _redis_evicted(ad: KvtierRedis, h: Any, client: Any) -> Count:
 
     client.config_set("maxmemory-policy", "allkeys-lru")
     client.config_set("maxmemory", str(int(client.info("memory")["used_memory"]) + (256 << 10)))
-    thread = threading.Thread(target=pressure, daemon=True)
-    thread.start()
     try:
-        for _ in range(30):
-            got = score(ad, h, BASE, set(range(PAGES)), reusable=False)
-            c.wrong += got.wrong
-            c.refused += got.refused
-            c.errors += got.errors
+        _reads_beside(ad, h, c, pressure, stop, 30)
     finally:
-        stop.set()
-        thread.join()
         client.config_set("maxmemory", "0")
     c.note = f"30 reads of {PAGES} pages while another writer fills memory"
     return c
@@ -157,10 +149,19 @@ def _redis_dropped(ad: KvtierRedis, h: Any, client: Any) -> Count:
             time.sleep(0.003)
         admin.close()
 
-    thread = threading.Thread(target=killer, daemon=True)
+    _reads_beside(ad, h, c, killer, stop, 40)
+    c.note = f"40 reads of {PAGES} pages while connections are killed every 3 ms"
+    return c
+
+
+def _reads_beside(ad: KvtierRedis, h: Any, c: Count, background: Any, stop: threading.Event,
+                  rounds: int) -> None:
+    """Score ``rounds`` reads of every page into ``c`` while ``background`` runs on a thread
+    (until ``stop`` is set, which this does once the reads are over)."""
+    thread = threading.Thread(target=background, daemon=True)
     thread.start()
     try:
-        for _ in range(40):
+        for _ in range(rounds):
             got = score(ad, h, BASE, set(range(PAGES)), reusable=False)
             c.wrong += got.wrong
             c.refused += got.refused
@@ -168,8 +169,6 @@ def _redis_dropped(ad: KvtierRedis, h: Any, client: Any) -> Count:
     finally:
         stop.set()
         thread.join()
-    c.note = f"40 reads of {PAGES} pages while connections are killed every 3 ms"
-    return c
 
 
 def run_redis_faults(faults: tuple[str, ...] = REDIS_FAULTS) -> dict[str, Any]:
