@@ -26,7 +26,7 @@ REQUIRED = {
     "kvtier_pinned_bytes": "gauge", "kvtier_pages": "gauge",
     "kvtier_time_to_first_token_seconds": "histogram", "kvtier_requests": "counter",
     "kvtier_requests_rejected": "counter", "kvtier_binding_generation": "gauge",
-    "kvtier_store_dropped_pages": "counter",
+    "kvtier_store_dropped_pages": "counter", "kvtier_store_recovered_records": "counter",
 }
 
 
@@ -90,6 +90,16 @@ def test_series_carry_the_numbers_of_the_snapshot() -> None:
     assert samples(text, "kvtier_engine_steps_total") == {(): 7.0}
     assert samples(text, "kvtier_engine_batched_tokens_total") == {(): 90.0}
     assert samples(text, "kvtier_engine_preempted_total") == {(): 1.0}
+
+
+def test_a_rebuilt_store_index_is_counted_by_outcome() -> None:
+    snapshot = cache_snapshot()
+    stores = snapshot["cache"]["stores"]
+    stores["disk"] = {**stores["disk"], "recovered": 22, "recovery_skipped": 2}
+    got = samples(render_metrics(snapshot).decode(), "kvtier_store_recovered_records_total")
+    who = (("backend", "memory"), ("tier", "disk"))
+    assert got[tuple(sorted((*who, ("outcome", "recovered"))))] == 22
+    assert got[tuple(sorted((*who, ("outcome", "skipped"))))] == 2
 
 
 def test_kv_event_counters_appear_only_when_events_are_on() -> None:
