@@ -101,7 +101,7 @@ def round_trip(runtime: ConnectorRuntime, save_kind: str, load_kind: str, num_bl
     ``hooks`` False runs both steps as a full CUDA graph replay does: no per-layer hook, the
     loads copied whole before the forward (``load_all_layers``), the saves after it."""
     on_cuda = device.startswith("cuda")
-    worker = WorkerSide(runtime, copy_in_forward=on_cuda, use_kernels=use_kernels)
+    worker = WorkerSide(runtime, copy_in_step=on_cuda, use_kernels=use_kernels)
     source = vllm_caches(runtime, save_kind, num_blocks, device, seed=7)
     worker.register_kv_caches(source, BACKENDS[save_kind])
     saving = Step(saves=[SaveSpec("w", tuple(tokens), None, old_blocks)])

@@ -17,7 +17,8 @@ import time
 from typing import Any
 
 #: kvtier variants: connector options beside the defaults (``kvtier``), each a host-hit case.
-VARIANTS = {"kvtier_ce": {"copy_path": "copy_engine"},
+VARIANTS = {"kvtier_kernel": {"copy_path": "kernel"},
+            "kvtier_ce": {"copy_path": "copy_engine"},
             "kvtier_ce128": {"copy_path": "copy_engine", "page_size": 128},
             "kvtier_lp0": {"load_programs": 0},
             "kvtier_lp16": {"load_programs": 16},

@@ -167,12 +167,15 @@ class TieredCache:
         landed within the prefetch policy's wait."""
         return self.controller.landing(hit)
 
-    def load(self, hit: Hit, *, recompute_tokens: int = 0, overlap: bool = False) -> Loaded:
+    def load(self, hit: Hit, *, recompute_tokens: int = 0, overlap: bool = False,
+             layerwise: bool = True) -> Loaded:
         """Bring the hit (past ``recompute_tokens``) to device pages and pin them. With
         ``overlap`` a copy from the host tier may still be in flight on return: read layer ``l``
-        only after ``loaded.ticket.stream_wait(layer=l)`` (``loaded.ticket`` None: landed)."""
+        only after ``loaded.ticket.stream_wait(layer=l)`` (``loaded.ticket`` None: landed); it
+        lands layer by layer, or with ``layerwise=False`` all at once as one faster copy."""
         self.controller.poll()
-        return self.controller.loader.load(hit, recompute_tokens, overlap=overlap)
+        return self.controller.loader.load(hit, recompute_tokens, overlap=overlap,
+                                           layerwise=layerwise)
 
     def plan_split(self, hit: Hit) -> int:
         """Tokens at the head of the hit to recompute rather than load (planner cost model)."""

@@ -113,11 +113,13 @@ class HostConfig:
                                    "read ring, staging). Set it from the machine's real limit.",
                                    minimum=0, size=True)
     layout: str = opt("page_first", "Host pool layout.", choices=("page_first", "layer_first"))
-    copy_path: str = opt("kernel", "How pages cross the bus: kernel (UVA copy kernels, over 90 "
-                         "percent of the bus each way) or copy_engine (the GPU's copy engines "
-                         "through device staging: no SMs used, and loads and stores at once "
-                         "share the bus better with large pages; needs page_first and a CUDA "
-                         "12.8+ driver).", choices=("kernel", "copy_engine"))
+    copy_path: str = opt("auto", "How pages cross the bus: kernel (UVA copy kernels), "
+                         "copy_engine (the GPU's copy engines through device staging: no SMs "
+                         "used; needs page_first and a CUDA 12.8+ driver) or auto (copy engines "
+                         "for loads copied in one piece, whose UVA reads ran at 33-51 GB/s "
+                         "by host where the copy engines held 55 on an H100; kernels for "
+                         "layer-by-layer loads and for stores).",
+                         choices=("auto", "kernel", "copy_engine"))
     store_programs: int = opt(16, "Grid cap of the device->host copy kernels (write-through "
                               "and write-back copies); 0: one program per SM. A store runs "
                               "beside the forward, which wants every SM; on the H200 16 "
@@ -127,8 +129,9 @@ class HostConfig:
                              "forward that overlaps the load wants the SMs; a hit that leaves "
                              "almost nothing to compute (a whole prompt served from the host "
                              "tier) is bus-bound and loads fastest on every SM.", minimum=0)
-    copy_staging_bytes: int = opt(64 << 20, "Device staging per direction for the copy_engine "
-                                  "path (at least one page).", minimum=1 << 20, size=True)
+    copy_staging_bytes: int = opt(64 << 20, "Device staging per direction the copy engines "
+                                  "use (at least one page; auto: loads only).",
+                                  minimum=1 << 20, size=True)
     prefetch_share: float = opt(0.5, "Share of the host pool reserved for prefetch landing; the "
                                 "rest bounds write-through staging.", minimum=0.0, maximum=1.0)
     read_ring_slots: int = opt(0, "Pinned page buffers that storage reads land in (0: planner).",

@@ -51,10 +51,10 @@ def scheduler(tiny_model: Path, tmp_path: Path):
     sched.connector.runtime.close()
 
 
-def _worker(runtime):
+def _worker(runtime, copy_in_step: bool = False):
     from kvtier.integrations.vllm.worker import WorkerSide
 
-    worker = WorkerSide(runtime)
+    worker = WorkerSide(runtime, copy_in_step=copy_in_step)
     kv = {n: torch.randn(256, KV_HEADS, BLOCK, 2 * HEAD_DIM) for n in runtime.shape.layer_names}
     worker.register_kv_caches(kv, "CPU_ATTN")
     return worker
@@ -118,6 +118,49 @@ def test_a_request_whose_save_already_copied_frees_its_blocks_at_once(scheduler)
     scheduler.update_from_output(out, runner_output(out))
     assert request.request_id not in scheduler.requests
     assert worker.get_finished({request.request_id}) is None
+
+
+def test_saves_copied_in_the_step_are_committed_before_it_ends_with_no_thread(scheduler):
+    """The CUDA flow (run here on CPU tensors): plan, copy and commit inside ``wait_for_save``,
+    so the next lookup finds the prompt and never waits on the saver thread's lock."""
+    runtime = scheduler.connector.runtime
+    worker = _worker(runtime, copy_in_step=True)
+    request = make_request(_prompt(100, 20), BLOCK, max_tokens=1)
+    scheduler.add_request(request)
+    out = scheduler.schedule()
+    gate = _Gate(runtime.saver)                  # the saver thread is busy: it must not matter
+    worker.wait_for_save(out.kv_connector_metadata)
+    assert runtime.counts["saved_tokens"] == 96
+    assert runtime.saver.counts["saves_queued"] == 0
+    assert not runtime.saver.hold_blocks(request.request_id)
+    scheduler.update_from_output(out, runner_output(out))
+    assert request.request_id not in scheduler.requests     # no block held for a copy
+    gate.open()
+    with runtime.lock:
+        assert runtime.cache.match(request.prompt_token_ids).tokens == 96
+    runtime.cache.check_integrity()
+
+
+@pytest.mark.parametrize("fault", ["plan", "commit"])
+def test_a_save_that_raises_in_the_step_is_counted_and_never_fails_the_step(scheduler, fault):
+    from kvtier.integrations.vllm.scheduler import KvtierConnectorMetadata, SaveSpec
+
+    runtime = scheduler.connector.runtime
+    worker = _worker(runtime, copy_in_step=True)
+    original = getattr(runtime.cache, fault if fault == "commit" else "allocate")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("store fault")
+    setattr(runtime.cache, fault if fault == "commit" else "allocate", broken)
+    specs = [SaveSpec("x", tuple(_prompt(64, 900)), None, (1, 2))]
+    worker.wait_for_save(KvtierConnectorMetadata(saves=specs))
+    assert runtime.counts["saves_failed"] == 1
+    setattr(runtime.cache, fault if fault == "commit" else "allocate", original)
+    worker.wait_for_save(KvtierConnectorMetadata(saves=[SaveSpec("y", specs[0].tokens, None,
+                                                                 (3, 4))]))
+    assert runtime.counts["saved_tokens"] == 64          # the next save goes through
+    assert not runtime.cache.controller.engine_pages     # no staging page left handed out
+    runtime.cache.check_integrity()
 
 
 def test_a_full_save_queue_drops_the_save_counts_it_and_holds_no_blocks(tiny_model, tmp_path):

@@ -14,11 +14,13 @@ When the engine recomputes the head of the hit (``recompute_tokens`` past the de
 only the tail beyond it is loaded, into device pages private to the returned ``Loaded`` (the
 device tier must stay prefix-closed, so they enter the index when the engine commits them).
 
-With ``overlap`` a hit served from the host tier alone is copied layer by layer and not waited
-for: the returned ``Loaded`` carries the per-layer ``Ticket`` (the model's forward waits on the
-device for each layer as it reaches it) and keeps the host pages it copies from locked until
-``release``, which first waits for the copy. A hit with pages landed from a store is still
-waited for here (its landed host pages are not locked), and so is everything on the CPU.
+With ``overlap`` a hit served from the host tier alone is copied and not waited for: the
+returned ``Loaded`` carries the ``Ticket`` (the model's forward waits on the device for each
+layer as it reaches it), per layer by default or, with ``layerwise=False``, one copy of every
+layer (for a consumer that will wait for all of it at once, where one large copy is faster) and
+keeps the host pages it copies from locked until ``release``, which first waits for the copy. A
+hit with pages landed from a store is still waited for here (its landed host pages are not
+locked), and so is everything on the CPU.
 
 Steps 1, 2 and 4 never raise out of ``load``: a failure there makes this rank contribute 0 pages
 to the next collective (and is counted), so every rank always makes both calls (see
@@ -63,7 +65,8 @@ class LoadPlan:
     task: PrefetchTask | None = None
     landed_ids: list[int] = field(default_factory=list)
     available: int = 0            # pages this rank could put on device
-    overlap: bool = False         # copy layer by layer and leave it in flight (host pages only)
+    overlap: bool = False         # leave the copy in flight (host pages only)
+    layerwise: bool = True        # with overlap: one launch per layer, else one for all
     ticket: Ticket | None = None  # the copy left in flight
     match: IndexMatch | None = None   # the latest walk (reused while the index is unchanged)
     device_lock: Node | None = None
@@ -82,8 +85,9 @@ class LoadBack:
         self.writer = writer
         self.ranks = ranks
 
-    def load(self, hit: Hit, recompute_tokens: int = 0, *, overlap: bool = False) -> Loaded:
-        plan = LoadPlan(hit._data, hit.salt, overlap=overlap)
+    def load(self, hit: Hit, recompute_tokens: int = 0, *, overlap: bool = False,
+             layerwise: bool = True) -> Loaded:
+        plan = LoadPlan(hit._data, hit.salt, overlap=overlap, layerwise=layerwise)
         ok = self._guard(lambda: self._prepare(plan, hit, recompute_tokens))
         agreed = self.ranks.agree(plan.available if ok else 0)
         result = self._guard(lambda: self._to_device(plan, agreed)) if ok else None
@@ -159,7 +163,8 @@ class LoadBack:
         copy = ctx.copy
         assert copy is not None, "a load from the host tier without a copy engine"
         if plan.overlap and not plan.landed_ids and copy.asynchronous:
-            plan.ticket = copy.load_layerwise(sources, device_ids)
+            plan.ticket = (copy.load_layerwise(sources, device_ids) if plan.layerwise
+                           else copy.load(sources, device_ids))
         else:
             started = time.monotonic()
             copy.load(sources, device_ids).wait(None)

@@ -25,8 +25,15 @@ benchmarks/results/ttft_breakdown_graphs_h200.txt).
 ``path="copy_engine"`` moves the bytes with the GPU's copy engines instead of the UVA kernels
 (``staged.StagedCopier``: whole-page or page-and-layer copies through a fixed device staging
 buffer per direction, ``staging_bytes`` each): no SMs used, and a load and a store at once reach
-the bus's duplex rate. It needs the ``page_first`` host layout and a driver with
-``cuMemcpyBatchAsync``; otherwise the kernels serve and ``stats()["path_fallback"]`` says why.
+the bus's duplex rate. ``path="auto"`` (the default) sends only loads submitted in one piece
+(``load``, not ``load_layerwise``) through the copy engines and everything else through the
+kernels: a UVA kernel reads host memory at a rate that depends on the host (on two H100 hosts
+of one kind, 50.7 and 33 GB/s for the same 4.3 GB load, where the copy engines reached 55 on
+both: benchmarks/results/vllm_gpu_h100_*.txt), while its writes to host memory and its per-layer
+launches beside a forward kept their rate; a one-piece load has no forward to overlap and many
+pages to carry, the case the copy engines win. The copy-engine paths need the ``page_first``
+host layout and a driver with ``cuMemcpyBatchAsync``; otherwise the kernels serve and
+``stats()["path_fallback"]`` says why.
 
 Without CUDA (or with ``use_kernels=False``) the torch reference runs synchronously and tickets
 are done at once. Submits come from one thread (the engine thread); tickets may be polled from
@@ -60,6 +67,8 @@ if TYPE_CHECKING:
     from kvtier.transfer.kernels import KernelConfig
     from kvtier.transfer.staged import StagedCopier
 
+#: The ways pages cross the bus (``path``; see the module docstring).
+PATHS = ("auto", "kernel", "copy_engine")
 #: Grid cap of layer-by-layer loads (when no ``load_config`` or ``layerwise_programs`` is given).
 LAYERWISE_LOAD_PROGRAMS = 16
 _FIRST_POLL_S = 20e-6
@@ -141,7 +150,7 @@ class CopyEngine:
     def __init__(self, device_pool: DevicePool, host_pool: HostPool, *,
                  use_kernels: bool | None = None,
                  load_config: KernelConfig | None = None,
-                 store_config: KernelConfig | None = None, path: str = "kernel",
+                 store_config: KernelConfig | None = None, path: str = "auto",
                  staging_bytes: int = 64 << 20, batch_copy: BatchCopy | None = None,
                  layerwise_programs: int = LAYERWISE_LOAD_PROGRAMS) -> None:
         if device_pool.layout != host_pool.layout:
@@ -166,14 +175,16 @@ class CopyEngine:
         self._counts = {"load": [0, 0, 0], "store": [0, 0, 0]}  # batches, pages, bytes
         self._staged: dict[str, StagedCopier] = {}
         self.path_fallback = ""
-        if path == "copy_engine":
-            self._staged, self.path_fallback = self._stage(staging_bytes, batch_copy)
-        elif path != "kernel":
-            raise ValueError(f"copy path must be 'kernel' or 'copy_engine', got {path!r}")
+        if path not in PATHS:
+            raise ValueError(f"copy path must be one of {', '.join(PATHS)}, got {path!r}")
+        if path == "copy_engine" or (path == "auto" and (on_cuda or batch_copy is not None)):
+            directions = ("load", "store") if path == "copy_engine" else ("load",)
+            self._staged, self.path_fallback = self._stage(staging_bytes, batch_copy, directions)
+        self._path = path if self._staged else "kernel"
 
-    def _stage(self, staging_bytes: int,
-               batch_copy: BatchCopy | None) -> tuple[dict[str, StagedCopier], str]:
-        """One ``StagedCopier`` per direction, or ({}, why not)."""
+    def _stage(self, staging_bytes: int, batch_copy: BatchCopy | None,
+               directions: tuple[str, ...]) -> tuple[dict[str, StagedCopier], str]:
+        """One ``StagedCopier`` per direction of ``directions``, or ({}, why not)."""
         from kvtier.transfer.ce_batch import load_batch_copy
         from kvtier.transfer.staged import StagedCopier
 
@@ -186,7 +197,7 @@ class CopyEngine:
         return {direction: StagedCopier(
             self._device_pool.kv, self._host_pool.buffer, self._host_geo,
             torch.empty(staging_bytes, dtype=torch.uint8, device=self._device), batch,
-            self._configs[direction]) for direction in ("load", "store")}, ""
+            self._configs[direction]) for direction in directions}, ""
 
     @property
     def device_pool(self) -> DevicePool:
@@ -200,7 +211,14 @@ class CopyEngine:
 
     @property
     def path(self) -> str:
-        return "copy_engine" if self._staged else "kernel"
+        """``kernel``, ``copy_engine`` or ``auto`` (as asked, unless it fell back to kernels)."""
+        return self._path
+
+    def _staged_for(self, plan: CopyPlan, one_piece: bool) -> StagedCopier | None:
+        """The copy-engine copier that moves ``plan``, or None for the kernels."""
+        if self._path == "auto" and not (plan.direction == "load" and one_piece):
+            return None
+        return self._staged.get(plan.direction)
 
     @property
     def staging_bytes(self) -> int:
@@ -243,16 +261,18 @@ class CopyEngine:
         counts[2] += plan.nbytes
         if plan.num_pages == 0:
             return Ticket(plan.direction, 0, 0)
+        staged = self._staged_for(plan, len(spans) == 1)
         if not self._streams:
             for start, count in spans:
-                self._run_now(_with_layers(plan, start, count))
+                self._run_now(_with_layers(plan, start, count), staged)
             return Ticket(plan.direction, plan.num_pages, plan.nbytes)
-        events = self._launch_on_side_stream(plan, spans, config or self._configs[plan.direction])
+        events = self._launch_on_side_stream(plan, spans, config or self._configs[plan.direction],
+                                             staged)
         return Ticket(plan.direction, plan.num_pages, plan.nbytes, events, spans[0][0])
 
-    def _run_now(self, plan: CopyPlan) -> None:
-        if self._staged:
-            self._staged[plan.direction].run(plan)
+    def _run_now(self, plan: CopyPlan, staged: StagedCopier | None) -> None:
+        if staged is not None:
+            staged.run(plan)
         elif self._use_kernels:
             from kvtier.transfer.kernels import launch_copy
 
@@ -263,19 +283,20 @@ class CopyEngine:
                            self._host_pool.host_layout)
 
     def _launch_on_side_stream(self, plan: CopyPlan, spans: list[tuple[int, int]],
-                               config: KernelConfig | None) -> list[torch.cuda.Event]:
+                               config: KernelConfig | None,
+                               staged: StagedCopier | None) -> list[torch.cuda.Event]:
         from kvtier.transfer.kernels import PreparedCopy
 
         stream = self._streams[plan.direction]
         stream.wait_stream(torch.cuda.current_stream(self._device))
         events = []
         with torch.cuda.stream(stream):
-            kernels = self._use_kernels and not self._staged
+            kernels = self._use_kernels and staged is None
             prepared = (PreparedCopy(plan, self._device_pool.kv, self._host_pool.buffer, config)
                         if kernels else None)
             for start, count in spans:
-                if self._staged:
-                    self._staged[plan.direction].run(_with_layers(plan, start, count))
+                if staged is not None:
+                    staged.run(_with_layers(plan, start, count))
                 elif prepared is not None:
                     prepared.launch(start, count)
                 else:
@@ -290,7 +311,7 @@ class CopyEngine:
     def stats(self) -> dict[str, object]:
         """Batches, pages and bytes submitted per direction, and the path in use."""
         kind = "triton" if self._use_kernels else "torch_reference"
-        out: dict[str, object] = {"path": "copy_engine" if self._staged else kind,
+        out: dict[str, object] = {"path": self._path if self._staged else kind,
                                "device": str(self._device), "staging_bytes": self.staging_bytes}
         if self.path_fallback:
             out["path_fallback"] = self.path_fallback

@@ -58,7 +58,7 @@ class KvtierConnector(KVConnectorBase_V1):
             self.worker = RankWorker(self.runtime, get_tensor_model_parallel_rank())
         elif role == KVConnectorRole.WORKER:
             on_cuda = vllm_config.device_config.device_type == "cuda"
-            self.worker = WorkerSide(self.runtime, copy_in_forward=on_cuda)
+            self.worker = WorkerSide(self.runtime, copy_in_step=on_cuda)
         #: The scheduler half reports the engine's counters; a worker in a process of its own
         #: its own; a worker sharing the scheduler's runtime nothing (they would count twice).
         reports = scheduler or isinstance(self.runtime, RankRuntime)

@@ -1,8 +1,9 @@
 """The connector's background thread: stores prompts off vLLM's forward, at idle CPU priority.
 
-Owns ``Saver``. The model runner ``submit``s a ``SaveSpec`` (a prompt whose prefill completed)
-or a ``PromptSave`` already copied by the forward (CUDA); the saver thread plans, copies layer by
-layer and commits it through the bound ``SaveCopier`` (``saves``). The queue is bounded
+Owns ``Saver``. The model runner (on the CPU backend) or the scheduler (a finished request's
+generated pages) ``submit``s a ``SaveSpec``; with workers in processes of their own the
+scheduler submits a ``PromptSave`` the ranks already copied. The saver thread plans, copies
+layer by layer and commits it through the bound ``SaveCopier`` (``saves``). The queue is bounded
 (``save_queue_depth``): past it a save is dropped and counted, never waited for. The thread
 lowers itself to ``SCHED_IDLE`` (``background_priority: idle``) before anything else, and
 ``call`` runs the cache's construction on it, so kvtier's IO threads inherit that class too:

@@ -16,10 +16,11 @@ Owns ``PromptSave`` (one prompt being stored) and ``SaveCopier`` (the tensor wor
   backups on kvtier's IO threads; the index's moves become KV events, ``events``);
   ``abandon(save)`` frees them.
 
-Which thread calls what is the caller's business (``saver``): on the CPU the background
-saver thread does all three, on CUDA the forward copies (stream-ordered, cheap) and the saver
-commits. Every cache call takes the runtime's lock; the copies do not, since staging pages
-handed out by ``allocate`` belong to the save until it commits or abandons them.
+Which thread calls what is the caller's business: on the CPU the background saver thread
+(``saver``) does all three; on CUDA the model runner does all three once the forward is queued
+(``worker``), its copies and the host copy the commit starts ordered on the forward's stream.
+Every cache call takes the runtime's lock; the copies do not, since staging pages handed out by
+``allocate`` belong to the save until it commits or abandons them.
 """
 
 from __future__ import annotations
@@ -55,7 +56,6 @@ class PromptSave:
     kernel_ids: Any = None             # block and page ids on the device (made at layer 0)
     layers_copied: int = 0
     copy_cpu_us: int = 0               # CPU time of its layer copies, counted at commit
-    ready: Any = None                  # CUDA event after the forward's copies (None on the CPU)
     handles: list[Any] = field(default_factory=list)   # Loaded handles released after commit
 
     @property
@@ -158,11 +158,6 @@ class SaveCopier:
 
     def commit(self, save: PromptSave) -> None:
         """Index and write the copied pages (the write policy takes over from here)."""
-        if save.ready is not None:      # the forward's copies: poll, not a spinning wait
-            pause = 2e-5
-            while not save.ready.query():
-                time.sleep(pause)
-                pause = min(2 * pause, 1e-3)
         rt, started = self.runtime, time.thread_time()
         with rt.lock:
             rt.counts["save_copy_cpu_us"] += save.copy_cpu_us

@@ -7,15 +7,17 @@ ids, token ids and block ids only.
 A hit is claimed only once it can be delivered: ``get_num_new_matched_tokens`` matches the
 prompt in kvtier's index over every tier (keys seeded with the request's ``cache_salt``) and
 then *loads* the hit into kvtier's staging pages right away, so every page has been read from
-its store and verified against the tokens it was computed for before vLLM hears a number. A
-page that is missing, corrupt or behind a dead store shortens the claim instead of failing the
+its store and verified against the tokens it was computed for before vLLM hears a number. A page
+that is missing, corrupt or behind a dead store shortens the claim instead of failing the
 request later (vLLM 0.32's default ``kv_load_failure_policy`` ends a request on a reported load
-error). The worker half then only copies staged rows into vLLM's blocks, layer by layer. On
-CUDA the last leg, host tier -> staging pages, is left in flight (one launch and one event per
-layer, on kvtier's load stream): the scheduling thread does not wait for the bus, and the
-forward waits on the device for each layer's pages just before it copies them into vLLM's
-blocks, so the copy overlaps the forward. Those pages were verified when they entered the host
-tier; the copy cannot fail.
+error). The worker half then only copies staged rows into vLLM's blocks, layer by layer. On CUDA
+the last leg, host tier -> staging pages, is left in flight on kvtier's load stream: the
+scheduling thread does not wait for the bus, and the forward waits on the device for each
+layer's pages just before it copies them into vLLM's blocks. With a forward left to overlap
+(more tokens to compute than a full CUDA graph holds, and more than a page) the copy goes layer
+by layer (one launch and one event per layer); otherwise it goes as one copy of every layer (the
+copy engines' path, ``host.copy_path``), which crosses the bus faster. Those pages were verified
+when they entered the host tier; the copy cannot fail.
 
 Other requests never wait on a store read: when part of a hit is held only by the disk or
 Redis tier and the last step ran other requests, the first call starts kvtier's prefetch of
@@ -156,9 +158,16 @@ class SchedulerSide:
             rt.counts["lookup_us"] += int((time.perf_counter() - started) * 1e6)
             return LANDING
         tracked.landing = None
-        # On CUDA the host -> pool copy is left in flight, one launch per layer: the worker
-        # waits for each layer on the device as the forward reaches it (wait_for_layer_load).
-        loaded = cache.load(hit, overlap=True)
+        # On CUDA the host -> pool copy is left in flight: the worker waits for each layer on
+        # the device as the forward reaches it (wait_for_layer_load). Layer by layer when the
+        # tokens left to compute make a forward to overlap; else (a full CUDA graph's worth or
+        # less, or at most a page) one copy of every layer, which the copy engines move faster.
+        # Pages vLLM's own prefix cache already holds are not copied (``recompute_tokens``:
+        # the load starts at the page holding vLLM's first uncomputed token).
+        left = len(prompt) - min(hit.tokens, len(prompt) - 1)
+        layerwise = left > max(rt.shape.full_graph_tokens, rt.page_size)
+        skip = num_computed_tokens // rt.page_size * rt.page_size
+        loaded = cache.load(hit, recompute_tokens=skip, overlap=True, layerwise=layerwise)
         rt.counts["lookup_us"] += int((time.perf_counter() - started) * 1e6)
         rt.counts["matched_tokens"] += hit.tokens
         rt.counts["staged_tokens"] += loaded.tokens

@@ -14,14 +14,18 @@ Owns ``WorkerSide``. Runs on vLLM's model-runner thread, inside the forward:
   kvtier pages a whole number of vLLM's blocks, whole blocks with kvtier's row kernel
   (``blocks``, one launch per layer and request) and only the rows of partly loaded blocks
   by slot; otherwise every row by slot (torch gathers);
-- ``wait_for_save`` hands the step's saves (prompts whose prefill completed) to the runtime's
-  saver thread (``saver``), which copies their rows out of vLLM's blocks and commits them
-  to the ``TieredCache`` after the step, at idle CPU priority; vLLM keeps a finished request's
-  blocks until its copy is over (``get_finished``), and ``handle_preemptions`` stops copies of
-  blocks vLLM is about to reuse. On CUDA ``save_kv_layer(layer)`` copies each layer's rows in
-  the forward instead (stream-ordered, a kernel launch or a gather per layer) and only the
-  commit is left to the saver. The forward never waits on a store: a full queue or no staging
-  pages drop the save (counted).
+- ``wait_for_save`` stores the step's saves (prompts whose prefill completed). On CUDA
+  (``copy_in_step``) it plans them, copies every layer of their rows out of vLLM's blocks
+  (stream-ordered after the forward, one kernel launch or gather per layer) and commits them
+  to the ``TieredCache`` right there: vLLM has queued the whole forward by then, so this CPU
+  work runs while the GPU computes, and nothing is left for another thread to hold the
+  runtime's lock over when the next request is looked up (the host copy the commit starts is
+  ordered after the row copies on the forward's stream). Elsewhere it hands them to the
+  runtime's saver thread (``saver``), which copies and commits after the step at idle CPU
+  priority; vLLM keeps a finished request's blocks until that copy is over (``get_finished``),
+  and ``handle_preemptions`` stops copies of blocks vLLM is about to reuse. The forward never
+  waits on a store: a full queue or no staging pages drop the save (counted), and a commit
+  that fails is counted (``saves_failed``) and logged, never raised into vLLM.
 
 A load whose staged pages are gone reports its blocks through ``get_block_ids_with_load_errors``
 (vLLM then recomputes them, or fails the request under the ``fail`` policy). Rows are in
@@ -41,7 +45,7 @@ import torch
 from kvtier.integrations.vllm.blocks import BlockCopier, block_view, kernels_fit
 from kvtier.integrations.vllm.layout import BlockLayout, registered_layout
 from kvtier.integrations.vllm.runtime import ConnectorRuntime
-from kvtier.integrations.vllm.saves import PromptSave, SaveCopier
+from kvtier.integrations.vllm.saves import SaveCopier
 from kvtier.integrations.vllm.specs import LoadSpec
 from kvtier.transfer.plan import CopyPlan
 
@@ -69,22 +73,21 @@ class _Move:
 class WorkerSide:
     """See the module docstring."""
 
-    def __init__(self, runtime: ConnectorRuntime, copy_in_forward: bool = False,
+    def __init__(self, runtime: ConnectorRuntime, copy_in_step: bool = False,
                  use_kernels: bool | None = None) -> None:
         self.runtime = runtime
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.layout: BlockLayout | None = None
         self._layer_index = {name: i for i, name in enumerate(runtime.shape.layer_names)}
         self._loads: list[_Move] = []
-        self._saves: list[PromptSave] = []
-        self._saves_for: KvtierConnectorMetadata | None = None
         self._load_errors: set[int] = set()
         self._finished: set[str] = set()       # finished requests vLLM told us about
         #: Loads the step is done with whose host -> pool copy had not landed when it ended:
         #: released at a later step (releasing now would wait on the host for the copy).
         self._landing: list[Any] = []
-        #: Saves copy inside the forward on CUDA (stream-ordered); elsewhere the saver does.
-        self.copy_in_forward = copy_in_forward
+        #: Saves copy and commit inside the step on CUDA (stream-ordered); elsewhere the
+        #: saver thread does both.
+        self.copy_in_step = copy_in_step
         self.copier: SaveCopier | None = None
         #: Whole blocks move with kvtier's transfer kernels (``blocks``) where the layout
         #: allows; None: on CUDA only (tests pass True to run them under TRITON_INTERPRET=1).
@@ -212,35 +215,19 @@ class WorkerSide:
     # ---- saves -----------------------------------------------------------------------------
     def save_kv_layer(self, meta: KvtierConnectorMetadata, layer_name: str,
                       kv_layer: torch.Tensor) -> None:
-        """On CUDA, copy this layer's rows of the step's saves now (stream-ordered after the
-        attention wrote them); on the CPU nothing: the saver thread copies after the step."""
-        if not self.copy_in_forward:
-            return
-        layer = self._layer_index.get(layer_name)
-        if meta is not self._saves_for:  # first layer of the step: plan its saves
-            self._saves_for = meta
-            self._saves = [s for s in map(self.copier.plan, meta.saves) if s is not None]
-        if layer is not None:
-            for save in self._saves:
-                self.copier.copy_layer(save, layer, kv_layer)
+        """Nothing: a save's rows are copied once the whole forward is queued (``wait_for_save``),
+        not between its layers, where planning it would leave the GPU waiting on the CPU."""
 
     def wait_for_save(self, meta: KvtierConnectorMetadata) -> None:
-        """Release the step's loads (or hand them to the request's save) and queue its saves
-        for the saver thread; never waits for one."""
+        """Release the step's loads (or hand them to the request's save) and store its saves
+        (see the module docstring); never waits for the device."""
         loads = {move.req_id: move.handle for move in self._loads}
         self._check_loads_copied()
         self._loads = []
-        saver = self.runtime.saver
-        if self.copy_in_forward:
-            self._copy_hidden_save_layers(meta)
-            ready = torch.cuda.Event() if self._saves else None
-            if ready is not None:
-                ready.record()
-            for save in self._saves:
-                save.ready = ready
-                if not saver.submit(save.req_id, save=save):
-                    self.copier.abandon(save)
+        if self.copy_in_step:
+            self._save_in_step(meta)
         else:
+            saver = self.runtime.saver
             for spec in meta.saves if meta is not None else ():
                 handle = loads.pop(spec.req_id, None)
                 handles = [handle] if handle is not None else []
@@ -248,7 +235,34 @@ class WorkerSide:
                     self.copier.release(handles)
         self._landing.extend(loads.values())
         self._release_landed()
-        self._saves, self._saves_for = [], None
+
+    def _save_in_step(self, meta: KvtierConnectorMetadata | None) -> None:
+        """Plan, copy (every layer, on the forward's stream) and commit the step's saves. A
+        fault is counted and logged, never raised into vLLM's step, and the save's pages the
+        cache did not take go back."""
+        copier = self.copier
+        assert copier is not None, "wait_for_save before register_kv_caches"
+        for spec in meta.saves if meta is not None else ():
+            save = None
+            try:
+                save = copier.plan(spec)
+                for layer in range(copier.num_layers if save is not None else 0):
+                    copier.copy_layer(save, layer)
+            except Exception:
+                self._save_failed(spec.req_id)
+                if save is not None:
+                    copier.abandon(save)
+                continue
+            if save is not None:
+                try:
+                    copier.commit(save)
+                except Exception:
+                    self._save_failed(spec.req_id)
+                    copier.abandon(save)    # frees only the pages the cache did not take
+
+    def _save_failed(self, req_id: str) -> None:
+        self.runtime.counts["saves_failed"] += 1
+        log.exception("kvtier connector: storing request %s failed; it stays uncached", req_id)
 
     def _check_loads_copied(self) -> None:
         """A forward that ran while some layer of a load was never copied read whatever vLLM's
@@ -261,16 +275,6 @@ class WorkerSide:
             log.error("kvtier connector: a forward ran before %d layer(s) of its loads were "
                       "copied (no per-layer hook ran and the step was not marked whole); "
                       "those hits read stale KV", missed)
-
-    def _copy_hidden_save_layers(self, meta: KvtierConnectorMetadata | None) -> None:
-        """Copy the layers of the step's saves that no ``save_kv_layer`` copied: all of them
-        when a full CUDA graph replayed the forward (vLLM calls no layer hook inside one)."""
-        if meta is not None and meta is not self._saves_for:
-            self._saves_for = meta
-            self._saves = [s for s in map(self.copier.plan, meta.saves) if s is not None]
-        for save in self._saves:
-            for layer in range(save.layers_copied, self.copier.num_layers):
-                self.copier.copy_layer(save, layer)
 
     def load_all_layers(self) -> None:
         """Copy every layer of the step's loads now, before the forward: a full CUDA graph
