@@ -25,21 +25,27 @@ smaller row tile: Triton derives the MMA instruction and the spread of a tile's 
 threads from the tile shape and the warps, and nothing promises that two shapes sum an
 element alike, so every launch uses one tile and decode gets its parallelism from segments
 instead. Rows past M in the last row tile re-read valid rows (the index wraps) and are never
-stored; an output element depends only on its own row and column, as the pipeline's stage
-count (when loads are issued) does not touch the order of a sum either.
+stored: an output element depends only on its own row and column. A pipeline's stage count
+moves only when loads are issued, never the order of a sum, so it may differ by launch.
 
-**The tile.** 128 x 128 x 64 on 8 warps (16-bit inputs; fp32 inputs, summed in IEEE fp32 on
-the CUDA cores, step by 32 so a stage stays 32 KiB), rows grouped by ``GROUP_M`` for L2 reuse.
-It is the common Hopper shape for Triton bf16 matmuls, and the largest whose two fp32
-accumulators (the segment's and the total) fit the registers: 2 x 128 x 128 fp32 over 256
-threads is 128 registers a thread, where 128 x 256 would need 256 and spill. Pipeline depth: 4
-stages fused (128 KiB of shared memory), 3 split (96 KiB: two programs an SM, decode's many
-small programs); a GPU with less shared memory gets fewer (``_stage_cap``). Segments:
-``TARGET_PROGRAMS`` / (column tiles) of them, at least ``MIN_SEG_STEPS`` steps each, so a
-decode's split launch has about 256 programs (about two a 132-SM H100's SMs hold at once)
-whatever the device, which keeps the bits the same across GPUs of one kind with other SM
-counts. These are design choices, not fitted: benchmarks/engine/invariant_gemm.py measures
-them against cuBLAS and the 64 x 64 x 64 kernel this replaces, and checks the bits on the GPU.
+**The tile.** 128 x 128 x 64 on 8 warps for 16-bit inputs (fp32 inputs, summed in IEEE fp32
+on the CUDA cores, step by 32 so that a stage stays 32 KiB), row tiles grouped by ``GROUP_M``
+for L2 reuse of the weight. It is the common Hopper shape for Triton bf16 matmuls and the
+largest whose two fp32 accumulators (the segment's and the total) fit the registers: compiled
+for sm_90a (Triton 3.9, ptxas 13.4) the fused kernel takes 170 registers a thread and no
+spills, both launches issue the same ``wgmma m64n128k16`` chain, and a 128 x 256 tile with
+segments spills (255 registers). Where a weight has one segment (``ONE_SEGMENT``: K of at most
+``MIN_SEG_STEPS`` steps, or ``TARGET_PROGRAMS`` column tiles and more, as an lm_head), the
+fused kernel keeps one accumulator and adds it to 0 once: the same additions. Pipeline
+depth: 4 stages fused (128 KiB of shared memory), 3 split (96 KiB and 110 registers: two
+programs an SM for decode's many small ones); a GPU with less shared memory gets fewer
+(``_stage_cap``). Segments: ``TARGET_PROGRAMS`` / (column tiles)
+of them, at least ``MIN_SEG_STEPS`` steps each, so that a decode's split launch has about 256
+programs (two for each of a 132-SM H100's SMs) whatever the device, which keeps the bits the
+same across GPUs of one kind with other SM counts. These are design choices, not fitted to a
+measurement: benchmarks/engine/invariant_gemm.py times them against cuBLAS and the 64 x 64 x
+64 kernel this replaces, times variants (pipeline depths, a 128 x 256 tile with one segment
+for wide weights) and checks the bits on the GPU.
 """
 
 from __future__ import annotations
@@ -82,7 +88,6 @@ class Tiles:
     stages: int = STAGES
     split_stages: int = SPLIT_STAGES
     group: int = GROUP_M
-    nested: bool = False  # fused launch as a loop of segments (else one loop, reset at ends)
 
 
 @functools.cache
@@ -108,7 +113,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
     tiles = tiles or tiles_for(x.dtype, n_cols, inner)
     n_tiles = triton.cdiv(n_rows, tiles.m) * triton.cdiv(n_cols, tiles.n)
     if split is None:
-        split = tiles.segments > 1 and 2 * n_tiles <= _sm_count(x.device)
+        split = splits(n_rows, n_cols, tiles, x.device)
     shape = dict(TILE_M=tiles.m, TILE_N=tiles.n, TILE_K=tiles.k, GROUP=tiles.group,
                  EVEN_K=inner % tiles.k == 0,
                  PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
@@ -117,7 +122,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
         _launch(_fused_kernel, (n_tiles,), tiles.warps, tiles.stages,
                 x, weight, b_arg, out, n_rows, n_cols, inner, tiles.seg_steps, x.stride(0),
                 weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-                NESTED=tiles.nested, **shape)
+                ONE_SEGMENT=tiles.segments == 1, **shape)
         return out
     part = torch.empty((tiles.segments, n_rows, n_cols), dtype=torch.float32, device=x.device)
     _launch(_segment_kernel, (n_tiles, tiles.segments), tiles.warps, tiles.split_stages,
@@ -127,6 +132,13 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
         part, b_arg, out, n_rows, n_cols, tiles.segments, HAS_BIAS=bias is not None,
         BLOCK=SUM_BLOCK, enable_fp_fusion=False)
     return out
+
+
+def splits(n_rows: int, n_cols: int, tiles: Tiles, device: torch.device) -> bool:
+    """Whether ``matmul`` takes the split launch: the inner dimension has segments and the
+    output tiles would fill at most half the SMs (the bits are the same either way)."""
+    n_tiles = triton.cdiv(n_rows, tiles.m) * triton.cdiv(n_cols, tiles.n)
+    return tiles.segments > 1 and 2 * n_tiles <= _sm_count(device)
 
 
 #: Highest stage count that fitted, per (kernel, tile, dtype), learned on the first launch.
@@ -206,25 +218,24 @@ def _step(x_ptrs, w_ptrs, acc, step, inner, TILE_K: tl.constexpr, EVEN_K: tl.con
 
 @triton.jit(do_not_specialize=["n_rows", "seg_steps"])   # one compile for every row count
 def _fused_kernel(x_ptr, w_ptr, b_ptr, out_ptr, n_rows, n_cols, inner, seg_steps, sx_m, sw_n,
-                  so_m, HAS_BIAS: tl.constexpr, NESTED: tl.constexpr, TILE_M: tl.constexpr,
-                  TILE_N: tl.constexpr, TILE_K: tl.constexpr, GROUP: tl.constexpr,
-                  EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
-    """One output tile: each segment summed from zero, added in order to a total from 0."""
+                  so_m, HAS_BIAS: tl.constexpr, ONE_SEGMENT: tl.constexpr,
+                  TILE_M: tl.constexpr, TILE_N: tl.constexpr, TILE_K: tl.constexpr,
+                  GROUP: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+    """One output tile: each segment summed from zero, added in order to a total from 0 (one
+    loop over the steps; the segment's sum is folded in and restarted at its last step)."""
     tile_m, tile_n = _tile_of(tl.program_id(0), n_rows, n_cols, TILE_M, TILE_N, GROUP)
     x_ptrs, w_ptrs = _operands(x_ptr, w_ptr, tile_m, tile_n, 0, n_rows, n_cols, sx_m, sw_n,
                                TILE_M, TILE_N, TILE_K)
     n_steps = tl.cdiv(inner, TILE_K)
-    total = tl.zeros([TILE_M, TILE_N], tl.float32)
     acc = tl.zeros([TILE_M, TILE_N], tl.float32)
-    if NESTED:
-        for first in range(0, n_steps, seg_steps):
-            acc = tl.zeros([TILE_M, TILE_N], tl.float32)
-            for step in range(first, tl.minimum(first + seg_steps, n_steps)):
-                acc = _step(x_ptrs, w_ptrs, acc, step, inner, TILE_K, EVEN_K, PRECISION)
-                x_ptrs += TILE_K
-                w_ptrs += TILE_K
-            total += acc
+    if ONE_SEGMENT:   # the same additions with one accumulator live: 0 + the one segment
+        for step in range(0, n_steps):
+            acc = _step(x_ptrs, w_ptrs, acc, step, inner, TILE_K, EVEN_K, PRECISION)
+            x_ptrs += TILE_K
+            w_ptrs += TILE_K
+        total = tl.zeros([TILE_M, TILE_N], tl.float32) + acc
     else:
+        total = tl.zeros([TILE_M, TILE_N], tl.float32)
         for step in range(0, n_steps):
             acc = _step(x_ptrs, w_ptrs, acc, step, inner, TILE_K, EVEN_K, PRECISION)
             x_ptrs += TILE_K
