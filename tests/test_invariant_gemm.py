@@ -20,6 +20,11 @@ from kvtier.engine.invariant_gemm import Tiles, matmul, tiles_for
 SMALL = Tiles(16, 16, 16, seg_steps=2, segments=4)   # K=100: 7 steps, segments of 2,2,2,1
 
 
+def _small(k: int) -> Tiles:
+    """``SMALL``'s tile and segment depth for an inner dimension of ``k``."""
+    return Tiles(16, 16, 16, seg_steps=2, segments=max(1, -(-k // 32)))
+
+
 def _operands(rows: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, k, generator=gen).to(dtype)
@@ -73,10 +78,13 @@ def test_odd_widths_and_empty_inputs():
         x, weight, bias = _operands(5, n, k)
         want = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
         for split in (False, True):
-            got = matmul(x, weight, bias, tiles=SMALL, split=split)
+            got = matmul(x, weight, bias, tiles=_small(k), split=split)
             assert torch.allclose(got.float(), want, rtol=1e-2, atol=1e-2), (n, k, split)
     x, weight, bias = _operands(0, 8, 16)
     assert matmul(x, weight, bias).shape == (0, 8)
+    x, weight, bias = _operands(4, 8, 48)   # 3 steps: 2 segments of 2, not SMALL's 4
+    with pytest.raises(ValueError, match="does not cut"):
+        matmul(x, weight, bias, tiles=SMALL)
 
 
 def test_the_segments_follow_the_weight_only():

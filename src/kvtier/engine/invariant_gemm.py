@@ -111,6 +111,8 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
     if n_rows == 0 or n_cols == 0:
         return out
     tiles = tiles or tiles_for(x.dtype, n_cols, inner)
+    if tiles.segments != max(1, triton.cdiv(triton.cdiv(inner, tiles.k), tiles.seg_steps)):
+        raise ValueError(f"matmul: {tiles} does not cut an inner dimension of {inner}")
     n_tiles = triton.cdiv(n_rows, tiles.m) * triton.cdiv(n_cols, tiles.n)
     if split is None:
         split = splits(n_rows, n_cols, tiles, x.device)
