@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.engine import attention, fused, invariant, paged
+from kvtier.engine import attention, fused, invariant, invariant_gemm, paged
 from kvtier.engine.prefix import PrefixCache
 from kvtier.engine.request import GenerationRequest, PrefillReport
 from kvtier.engine.service import EngineService
@@ -162,6 +162,8 @@ def test_deterministic_kernels_give_a_row_the_same_bits_in_any_call():
     whole = invariant.linear(x, weight, None)
     for rows in (slice(0, 1), slice(7, 8), slice(100, 300)):
         assert torch.equal(invariant.linear(x[rows], weight, None), whole[rows])
+    for split in (False, True):   # prefill's fused launch and decode's split one, on any M
+        assert torch.equal(invariant_gemm.matmul(x, weight, None, split=split), whole)
     query = torch.randn(1, 32, 700, 128, device="cuda", generator=gen).bfloat16()
     key = torch.randn(1, 8, 700, 128, device="cuda", generator=gen).bfloat16()
     value = torch.randn(1, 8, 700, 128, device="cuda", generator=gen).bfloat16()

@@ -1,10 +1,10 @@
 """The deterministic mode (``engine.deterministic``): batch-invariant kernels for every forward.
 
-Owns ``linear`` (a Triton matmul with one fixed tile shape and an in-order sum over the inner
-dimension), ``attention_forward`` (the split-KV kernels in slices of ``SPLIT_TOKENS`` keys
-counted from position 0, merged in order) and ``install``, which puts them and the fused
-RMSNorm into a transformers model for good (the rotary embedding is element-wise already, and
-the graphs' fused one is bit-identical to it).
+Owns ``linear`` (``invariant_gemm.matmul``: one tile shape for every row count and one order
+of sums over the inner dimension), ``attention_forward`` (the split-KV kernels in slices of
+``SPLIT_TOKENS`` keys counted from position 0, merged in order) and ``install``, which puts
+them and the fused RMSNorm into a transformers model for good (the rotary embedding is
+element-wise already, and the graphs' fused one is bit-identical to it).
 
 Why: a cache hit computes a prompt's last tokens in a forward of a few rows over a stored past;
 a recompute computes them inside one forward of every row. Library kernels pick their tiling
@@ -15,8 +15,9 @@ element-wise ops and these kernels are all there is, so logits after a hit are b
 a recompute's at any hit length, tier and page size, and a sequence's results do not depend on
 what runs beside it. The stored past is bytes the same kernels produced, so it continues alike.
 
-Cost: these kernels are untuned next to cuBLAS and flash attention (measured in
-``benchmarks/engine/parity.py``'s notes and README). CUDA, or the Triton interpreter on the CPU
+Cost: these kernels are slower than cuBLAS and flash attention (the matmul measured by
+``benchmarks/engine/invariant_gemm.py``, the engine by ``benchmarks/engine/parity.py``'s notes
+and README). CUDA, or the Triton interpreter on the CPU
 (``TRITON_INTERPRET=1``, for tests); anything else is refused at start. Engine thread.
 """
 
@@ -24,10 +25,9 @@ from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 
-from kvtier.engine import attention, fused
-from kvtier.engine.rounding import INTERPRET, dot, round_to
+from kvtier.engine import attention, fused, invariant_gemm
+from kvtier.engine.rounding import INTERPRET
 from kvtier.errors import ConfigError
 
 NAME = "kvtier_deterministic"
@@ -37,32 +37,6 @@ SPLIT_TOKENS = 256
 #: Bound on the per-slice partial results of one prefill launch; longer prompts run their
 #: queries in several launches (a query's result does not depend on the launch).
 PARTIAL_BYTES = 256 << 20
-#: The matmul's one tile shape (rows, columns, inner step).
-TILE_M, TILE_N, TILE_K = 64, 64, 64
-
-
-@triton.jit(do_not_specialize=["n_rows"])   # one compiled kernel for every row count
-def _matmul_kernel(x_ptr, w_ptr, b_ptr, out_ptr, n_rows, n_cols, inner, sx_m, sw_n, so_m,
-                   HAS_BIAS: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr,
-                   TILE_K: tl.constexpr, INTERPRET: tl.constexpr):
-    """One output tile of ``x @ w.T (+ b)``: fp32 sums over the inner dimension in order,
-    rounded once."""
-    rows = tl.program_id(0) * TILE_M + tl.arange(0, TILE_M)
-    cols = tl.program_id(1) * TILE_N + tl.arange(0, TILE_N)
-    steps = tl.arange(0, TILE_K)
-    acc = tl.zeros([TILE_M, TILE_N], tl.float32)
-    for start in range(0, inner, TILE_K):
-        ks = start + steps
-        x = tl.load(x_ptr + rows[:, None] * sx_m + ks[None, :],
-                    mask=(rows[:, None] < n_rows) & (ks[None, :] < inner), other=0.0)
-        w = tl.load(w_ptr + cols[:, None] * sw_n + ks[None, :],
-                    mask=(cols[:, None] < n_cols) & (ks[None, :] < inner), other=0.0)
-        acc += dot(x, tl.trans(w), INTERPRET)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
-    out_ty = out_ptr.dtype.element_ty
-    tl.store(out_ptr + rows[:, None] * so_m + cols[None, :], round_to(acc, out_ty).to(out_ty),
-             mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -74,14 +48,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-    n_cols = weight.shape[0]
-    out = torch.empty((rows.shape[0], n_cols), dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(rows.shape[0], TILE_M), triton.cdiv(n_cols, TILE_N))
-    _matmul_kernel[grid](rows, weight, bias if bias is not None else weight, out, rows.shape[0],
-                         n_cols, inner, rows.stride(0), weight.stride(0), out.stride(0),
-                         HAS_BIAS=bias is not None, TILE_M=TILE_M, TILE_N=TILE_N, TILE_K=TILE_K,
-                         INTERPRET=INTERPRET, enable_fp_fusion=False)
-    return out.view(*x.shape[:-1], n_cols)
+    out = invariant_gemm.matmul(rows, weight, bias)
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 def attention_forward(module: object, query: torch.Tensor, key: torch.Tensor,
