@@ -141,6 +141,11 @@ def test_the_setting_reaches_the_model():
     auto = load_model("tiny-llama", device="cpu", dtype="float32", deterministic="auto")
     assert not auto.deterministic
     assert invariant.NAME not in auto.model.config._attn_implementation
+    # pages keyed apart: a hit under the invariant kernels only continues their own pages
+    from kvtier.engine.prefix import kv_fingerprint
+
+    assert kv_fingerprint(plain) == plain.fingerprint == lm.fingerprint
+    assert kv_fingerprint(lm) == f"{lm.fingerprint}+{invariant.KERNELS}"
 
 
 def test_auto_is_on_with_cuda_only():

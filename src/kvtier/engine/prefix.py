@@ -107,8 +107,8 @@ class PrefixCache:
 
         page_size = config.cache.page_size
         layout = lm.kv_layout(page_size)
-        namespace = KeyNamespace(lm.name, lm.fingerprint, lm.dtype_name, layout.fingerprint(),
-                                 page_size)
+        namespace = KeyNamespace(lm.name, kv_fingerprint(lm), lm.dtype_name,
+                                 layout.fingerprint(), page_size)
         tiered = TieredCache.build(config, layout, namespace, device=str(lm.device))
         return cls(lm, tiered, split=split, graphs=_suffix_graphs(config, lm) if graphs else None)
 
@@ -327,6 +327,17 @@ class PrefixCache:
 
     def _tensor(self, tokens: list[int]) -> torch.Tensor:
         return torch.tensor(tokens, dtype=torch.long, device=self.lm.device)
+
+
+def kv_fingerprint(lm: CausalLM) -> str:
+    """The model fingerprint the engine's pages are keyed by: with the deterministic kernels it
+    names them too, so pages computed by other kernels (an older build's, or the library's)
+    are never served where a hit must repeat a recompute bit for bit."""
+    if not lm.deterministic:
+        return lm.fingerprint
+    from kvtier.engine.invariant import KERNELS
+
+    return f"{lm.fingerprint}+{KERNELS}"
 
 
 def _suffix_graphs(config: KvtierConfig, lm: CausalLM) -> Any:
