@@ -31,7 +31,10 @@ def vllm_args(args: argparse.Namespace, case: str) -> argparse.Namespace:
     """The settings ``vllm_gpu_case.Case`` reads."""
     return argparse.Namespace(
         case=case, mode="graphs", model_dir=args.model_dir, dtype=args.dtype,
-        max_model_len=max(args.lengths) + 256, block_size=args.vllm_block_size,
+        # every prompt the case runs fits: the TTFT lengths, and the throughput and ITL
+        # prompts with their generated tokens
+        max_model_len=max(*args.lengths, args.throughput_prompt, args.itl_prompt)
+        + vllm_gpu_case.THROUGHPUT_NEW + 256, block_size=args.vllm_block_size,
         gpu_mem=args.vllm_gpu_mem,
         max_num_seqs=max(args.levels), offload_gib=args.offload_gib, host_gib=int(args.offload_gib),
         staging_pages=0, lengths=args.lengths, check_lengths=[], repeats=args.repeats,

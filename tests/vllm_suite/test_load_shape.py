@@ -14,7 +14,6 @@ from scheduler_harness import (
     make_request,
     make_scheduler,
     make_vllm_config,
-    runner_output,
 )
 
 BLOCK = 32
@@ -30,13 +29,13 @@ def scheduler(tiny_model: Path, tmp_path: Path):
     sched.connector.runtime.close()
 
 
-def _loads_asked(scheduler, prompts: list[list[int]], key: str = "layerwise") -> list:
+def _loads_asked(scheduler, prompts: list[list[int]]) -> list[bool]:
     runtime = scheduler.connector.runtime
-    asked: list = []
+    asked: list[bool] = []
     load = runtime.cache.load
 
     def spy(hit, **kwargs):
-        asked.append(kwargs[key])
+        asked.append(kwargs["layerwise"])
         return load(hit, **kwargs)
     runtime.cache.load = spy
     for tokens in prompts:
@@ -57,18 +56,3 @@ def test_a_hit_loads_layer_by_layer_only_with_a_forward_left_to_overlap(schedule
     long = heads[1] + [500 + i for i in range(100)]   # 100 left: more than a page
     assert _loads_asked(scheduler, [short, long]) == want
 
-
-def test_pages_vllms_prefix_cache_holds_are_not_copied_again(scheduler):
-    runtime = scheduler.connector.runtime
-    head = [10 + i for i in range(64)]
-    first = make_request(head + [7], BLOCK, max_tokens=1)
-    scheduler.add_request(first)
-    out = scheduler.schedule()                     # computed by vLLM: now in its prefix cache
-    scheduler.update_from_output(out, runner_output(out))
-    longer = head + [300 + i for i in range(100)]
-    fill_kvtier(runtime, longer)
-    with runtime.lock:
-        runtime.cache.clear_tier("device")         # only kvtier's host tier holds it
-    assert _loads_asked(scheduler, [longer], key="recompute_tokens") == [64]
-    (loaded,) = runtime.staged.values()
-    assert (loaded.start_tokens, loaded.tokens) == (64, 160)   # only the pages past vLLM's

@@ -162,12 +162,13 @@ class SchedulerSide:
         # the device as the forward reaches it (wait_for_layer_load). Layer by layer when the
         # tokens left to compute make a forward to overlap; else (a full CUDA graph's worth or
         # less, or at most a page) one copy of every layer, which the copy engines move faster.
-        # Pages vLLM's own prefix cache already holds are not copied (``recompute_tokens``:
-        # the load starts at the page holding vLLM's first uncomputed token).
+        # The whole hit is staged, pages vLLM's own prefix cache holds included: staged pages
+        # join kvtier's device tier, where the next request with that prefix and this
+        # request's own save find them (skipping them, measured on an H100, made shared-prefix
+        # serving slower: benchmarks/results/vllm_serve_h100_skip_ab.txt).
         left = len(prompt) - min(hit.tokens, len(prompt) - 1)
         layerwise = left > max(rt.shape.full_graph_tokens, rt.page_size)
-        skip = num_computed_tokens // rt.page_size * rt.page_size
-        loaded = cache.load(hit, recompute_tokens=skip, overlap=True, layerwise=layerwise)
+        loaded = cache.load(hit, overlap=True, layerwise=layerwise)
         rt.counts["lookup_us"] += int((time.perf_counter() - started) * 1e6)
         rt.counts["matched_tokens"] += hit.tokens
         rt.counts["staged_tokens"] += loaded.tokens
