@@ -55,8 +55,8 @@ class EngineConfig:
                              "bit-identical to a recompute's, so its greedy tokens are too. "
                              "Without them library matmuls round by a forward's row count and "
                              "8B-shape hits changed greedy tokens on an H100. Cost there "
-                             "(llama3-8b-shape, bf16): 1.9x the recompute TTFT at 4k tokens, "
-                             "0.54x the throughput. auto: on with CUDA, off on the CPU (where "
+                             "(llama3-8b-shape, bf16): 1.4x the recompute TTFT at 4k tokens, "
+                             "0.78x the throughput. auto: on with CUDA, off on the CPU (where "
                              "they need the Triton interpreter).",
                              choices=("auto", "true", "false"))
     store_hit_split: str = opt("auto", "How a hit with a disk or Redis part is served. plan: "

@@ -24,8 +24,8 @@ additions after it, so they give the same bits; M only picks one. Decode does no
 smaller row tile: Triton derives the MMA instruction and the spread of a tile's products over
 threads from the tile shape and the warps, and nothing promises that two shapes sum an
 element alike, so every launch uses one tile and decode gets its parallelism from segments
-instead. Rows past M in the last row tile re-read valid rows (the index wraps) and are never
-stored: an output element depends only on its own row and column. A pipeline's stage count
+instead. Rows past M in the last row tile are read as zeros and never stored: an output
+element depends only on its own row and column. A pipeline's stage count
 moves only when loads are issued, never the order of a sum, so it may differ by launch.
 
 **The tile.** 128 x 128 x 64 on 8 warps for 16-bit inputs (fp32 inputs, summed in IEEE fp32
