@@ -57,7 +57,7 @@ run: install
 
 # Type checks: strict on the core (its lower layers, the controller, the facade and the admin
 # layer).
-MYPY_STRICT := src/kvtier/keys.py src/kvtier/config.py src/kvtier/layout.py src/kvtier/errors.py \
+MYPY_STRICT := src/kvtier/keys.py src/kvtier/config.py src/kvtier/units.py src/kvtier/config_flags.py src/kvtier/layout.py src/kvtier/errors.py \
 	src/kvtier/memory src/kvtier/index src/kvtier/store src/kvtier/transfer src/kvtier/controller \
 	src/kvtier/cache.py src/kvtier/admin src/kvtier/config_doc.py
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kvtier.cli import build_parser
-from kvtier.config import KvtierConfig, build_config, parse_size, to_dict
+from kvtier.config import KvtierConfig, build_config, to_dict
 from kvtier.errors import ConfigError
+from kvtier.units import parse_size
 
 
 def test_defaults_when_nothing_given():
@@ -86,7 +87,7 @@ def test_parse_size(text, expected):
 
 
 def test_cli_flags_and_aliases_reach_config():
-    from kvtier.config import config_from_args
+    from kvtier.config_flags import config_from_args
 
     args = build_parser().parse_args(["info", "--model", "tiny-qwen2", "--server.port", "1234"])
     config = config_from_args(args, env={})

@@ -19,7 +19,7 @@ zmq = pytest.importorskip("zmq")
 def test_the_kv_events_flag_sets_the_endpoint():
     import argparse
 
-    from kvtier.config import add_config_flags, config_from_args
+    from kvtier.config_flags import add_config_flags, config_from_args
 
     parser = argparse.ArgumentParser()
     add_config_flags(parser)

@@ -13,10 +13,11 @@ from types import SimpleNamespace
 import pytest
 
 from kvtier.cli import main
-from kvtier.config import build_config, format_size, iter_fields
+from kvtier.config import build_config, iter_fields
 from kvtier.errors import ConfigError
 from kvtier.layout import KVLayout
 from kvtier.serve.sizing import CPU_DEVICE_POOL_CAP_BYTES, CPU_HOST_POOL_CAP_BYTES, size_pools
+from kvtier.units import format_size
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -27,12 +27,12 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from kvtier.config import parse_size
 from kvtier.index import minisim
 from kvtier.index.eviction import EVICTION_POLICIES
 from kvtier.machine import format_table, write_report
 from kvtier.replay.simulator import ReplayConfig, replay
 from kvtier.replay.trace import read_trace
+from kvtier.units import parse_size
 
 METHODS = ("add", "remove", "touch", "pop_victim", "forget")
 

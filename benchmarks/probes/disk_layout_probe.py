@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtier.config import parse_size
 from kvtier.machine import format_table, write_report
+from kvtier.units import parse_size
 
 
 def drop_caches() -> bool:

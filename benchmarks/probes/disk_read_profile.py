@@ -40,10 +40,10 @@ import xxhash
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 from kvtier.bench.page_io import aligned_pages, run_batches, source_pages
-from kvtier.config import parse_size
 from kvtier.machine import format_table, write_report
 from kvtier.store.file import FileStore
 from kvtier.store.file.record_io import plans_of
+from kvtier.units import parse_size
 
 STAGES = ("raw", "copy", "hash", "headers", "read_many", "read_into")
 

@@ -46,9 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 from disk_read_profile import fill_store
 from kvtier.bench.page_io import aligned_pages, run_batches
 from kvtier.bench.raw_disk import RawReads
-from kvtier.config import parse_size
 from kvtier.machine import format_table, write_report
 from kvtier.store.file import FileStore, segment
+from kvtier.units import parse_size
 
 VARIANTS = ("raw", "records", "records_nohash", "records_ctypes", "store", "store_nohash")
 

@@ -253,7 +253,7 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3, help="Runs per contestant (median reported).")
     parser.add_argument("--json", metavar="OUT", help="Write results as JSON here.")
     args = parser.parse_args()
-    from kvtier.config import parse_size
+    from kvtier.units import parse_size
 
     total = parse_size(args.total) or 128 << 20
     root = Path(tempfile.mkdtemp(prefix="kvtier-sglang-bench-", dir=args.dir))

@@ -45,9 +45,9 @@ from typing import Any
 import numpy as np
 
 from kvtier.bench.raw_redis import benchmark_args, fill_keyspace, redis_py_pipeline
-from kvtier.config import parse_size
 from kvtier.machine import format_table, write_report
 from kvtier.store import open_store
+from kvtier.units import parse_size
 
 _TESTS = {"write": "SET", "read": "GET"}
 

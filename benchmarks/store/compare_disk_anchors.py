@@ -38,8 +38,8 @@ from kvtier.bench.page_io import (
     source_pages,
 )
 from kvtier.bench.store_throughput import bench_one, flush_files
-from kvtier.config import parse_size
 from kvtier.machine import format_table, write_report
+from kvtier.units import parse_size
 
 
 def timed_phases(name: str, root: Path, pages: int, page_bytes: int, threads: int, batch: int,

@@ -36,13 +36,14 @@ from typing import Any
 import torch
 
 from kvtier.cache import TieredCache
-from kvtier.config import build_config, parse_size
+from kvtier.config import build_config
 from kvtier.keys import KeyNamespace, page_keys
 from kvtier.layout import KVLayout
 from kvtier.machine import format_table, write_report
 from kvtier.store.file.index import SLOT_BITS, SLOT_MASK
 from kvtier.store.file.options import FileStoreOptions
 from kvtier.store.file.store import FileStore
+from kvtier.units import parse_size
 
 PAGE = 16
 

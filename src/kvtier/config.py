@@ -3,22 +3,22 @@
 Owns the config schema (every field with its default, its help text and what it allows) and the
 loader that layers sources in a fixed order: defaults, then an optional YAML file, then
 ``KVTIER_<SECTION>__<FIELD>`` environment variables, then command-line flags
-(``--section.field VALUE``, plus a few short aliases such as ``--model``). Field help doubles as
-CLI help. Built on the main thread at start-up; the result is immutable and safe to share.
+(``--section.field VALUE``, plus a few short aliases such as ``--model``; ``config_flags`` adds
+them to a parser). Field help doubles as CLI help. Sizes and URLs are read by ``units``. Built on
+the main thread at start-up; the result is immutable and safe to share.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
-import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, SupportsFloat, SupportsIndex
 
 from kvtier.errors import ConfigError
+from kvtier.units import parse_size, redact_url
 
 ENV_PREFIX = "KVTIER_"
 
@@ -246,32 +246,6 @@ class KvtierConfig:
 
 SECTIONS: tuple[str, ...] = tuple(f.name for f in fields(KvtierConfig))
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
-_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
-               "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
-               "tib": 2**40, "p": 10**15, "pb": 10**15, "pib": 2**50}
-
-
-def parse_size(text: str) -> int | None:
-    """'4GiB' -> 4294967296, '512MB' -> 512000000, '123' -> 123; None if not a size."""
-    match = _SIZE_RE.match(text)
-    if not match:
-        return None
-    unit = (match.group(2) or "").lower()
-    if unit not in _SIZE_UNITS:
-        return None
-    return int(float(match.group(1)) * _SIZE_UNITS[unit])
-
-
-def format_size(count: int) -> str:
-    """4294967296 -> '4GiB', 65536 -> '64KiB'; a count that is no whole binary unit stays as is."""
-    for unit, scale in (("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20),
-                        ("KiB", 2**10)):
-        if count and count % scale == 0:
-            return f"{count // scale}{unit}"
-    return str(count)
-
-
 def setting_name(path: str) -> str:
     """How a user writes a setting: '--disk (store.disk_url)', or 'store.x' without an alias."""
     alias = dict(iter_fields())[path].metadata.get("alias")
@@ -347,7 +321,7 @@ def _check_bounds(path: str, meta: Mapping[str, Any], value: Any) -> None:
         raise ConfigError(path, value, f"a value <= {hi}")
 
 
-def _read_yaml(path: str | Path) -> dict[str, object]:
+def read_yaml(path: str | Path) -> dict[str, object]:
     import yaml  # lazy: only needed when a file is given
 
     try:
@@ -373,7 +347,7 @@ def _read_yaml(path: str | Path) -> dict[str, object]:
     return flat
 
 
-def _read_env(env: Mapping[str, str]) -> dict[str, object]:
+def read_env(env: Mapping[str, str]) -> dict[str, object]:
     flat: dict[str, object] = {}
     for key, value in env.items():
         if not key.startswith(ENV_PREFIX) or "__" not in key:
@@ -389,8 +363,8 @@ def build_config(file: str | Path | None = None, env: Mapping[str, str] | None =
     known = dict(iter_fields())
     layers: list[tuple[str, dict[str, object]]] = []
     if file:
-        layers.append(("file", _read_yaml(file)))
-    layers.append(("env", _read_env(os.environ if env is None else env)))
+        layers.append(("file", read_yaml(file)))
+    layers.append(("env", read_env(os.environ if env is None else env)))
     layers.append(("flags", dict(flags or {})))
     chosen: dict[str, Any] = {}
     for _source, values in layers:
@@ -403,41 +377,6 @@ def build_config(file: str | Path | None = None, env: Mapping[str, str] | None =
         section, name = path.split(".", 1)
         sections[section][name] = value
     return KvtierConfig(**{name: _section_type(name)(**vals) for name, vals in sections.items()})
-
-
-def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """Add ``--section.field`` (and its alias, if any) for every field, help from the schema."""
-    parser.add_argument("--config", metavar="FILE", help="YAML config file (sections as below).")
-    for path, f in iter_fields():
-        names = [f"--{path}"]
-        if f.metadata.get("alias"):
-            names.append(f.metadata["alias"])
-        choices = f.metadata.get("choices")
-        shown: object = "***" if f.metadata.get("secret") and f.default else f.default
-        if f.metadata.get("size") and isinstance(f.default, int):
-            shown = format_size(f.default)
-        text = f"{f.metadata['help']} [default: {shown!s}]"
-        text += f" {{{', '.join(choices)}}}" if choices else ""
-        parser.add_argument(*names, dest=f"cfg:{path}", default=None, metavar="VALUE",
-                            help=text.replace("%", "%%"))  # argparse %-formats help
-
-
-def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> KvtierConfig:
-    flags = {k[4:]: v for k, v in vars(args).items() if k.startswith("cfg:") and v is not None}
-    return build_config(getattr(args, "config", None), env, flags)
-
-
-def explicit_paths(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> set[str]:
-    """The 'section.field's that ``--config``, ``KVTIER_*`` variables or flags set."""
-    file = getattr(args, "config", None)
-    paths = set(_read_yaml(file)) if file else set()
-    paths |= set(_read_env(os.environ if env is None else env))
-    return paths | {k[4:] for k, v in vars(args).items() if k.startswith("cfg:") and v is not None}
-
-
-def redact_url(url: str) -> str:
-    """A URL with its password replaced by '***'."""
-    return re.sub(r"(//[^:/@]*:)[^@]*@", r"\1***@", url)
 
 
 def to_dict(config: KvtierConfig, *, redact: bool = True) -> dict[str, dict[str, object]]:

@@ -20,7 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvtier.config import ENV_PREFIX, KvtierConfig, format_size, iter_fields
+from kvtier.config import ENV_PREFIX, KvtierConfig, iter_fields
+from kvtier.units import format_size
 
 #: Where the page lives, relative to the repository root.
 DOC_PATH = Path("docs/guide/configuration.md")

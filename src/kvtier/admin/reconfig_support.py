@@ -13,10 +13,11 @@ from __future__ import annotations
 import dataclasses
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
-from kvtier.config import KvtierConfig, redact_url
+from kvtier.config import KvtierConfig
 from kvtier.errors import KvtierError
 from kvtier.layout import KVLayout
 from kvtier.store.base import PageStore
+from kvtier.units import redact_url
 
 STORE_TIERS = ("disk", "remote")
 TIER_SCHEMES = {"disk": ("file", "memory"), "remote": ("redis", "rediss", "memory")}

@@ -19,7 +19,7 @@ from kvtier.bench.trace_replay import DEFAULT_TRACE
 
 
 def _tokens(text: str) -> int:
-    from kvtier.config import parse_size
+    from kvtier.units import parse_size
 
     value = parse_size(text)
     if value is None:

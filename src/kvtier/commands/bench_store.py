@@ -14,7 +14,8 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from kvtier.config import ControllerConfig, parse_size
+from kvtier.config import ControllerConfig
+from kvtier.units import parse_size
 
 
 def register(subparsers: Any) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kvtier.config import add_config_flags, config_from_args
+from kvtier.config_flags import add_config_flags, config_from_args
 
 DEFAULT_TIERS = "recompute,device,host,disk,disk-load"
 

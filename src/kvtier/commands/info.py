@@ -10,7 +10,8 @@ import argparse
 import json
 from typing import Any
 
-from kvtier.config import add_config_flags, config_from_args, to_dict
+from kvtier.config import to_dict
+from kvtier.config_flags import add_config_flags, config_from_args
 
 
 def register(subparsers: Any) -> None:

@@ -14,9 +14,11 @@ import json
 import re
 from typing import Any
 
-from kvtier.config import KvtierConfig, add_config_flags, config_from_args, parse_size
+from kvtier.config import KvtierConfig
+from kvtier.config_flags import add_config_flags, config_from_args
 from kvtier.layout import KVLayout
 from kvtier.planner import Plan, PlanInputs, StoreRates, inputs_from_config, plan
+from kvtier.units import parse_size
 
 _RATE_FLAGS = ("host-bw", "disk-read-bw", "disk-write-bw", "remote-read-bw", "remote-write-bw")
 

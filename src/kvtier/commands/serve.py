@@ -14,7 +14,8 @@ import argparse
 import logging
 from typing import Any
 
-from kvtier.config import KvtierConfig, add_config_flags, config_from_args, explicit_paths
+from kvtier.config import KvtierConfig
+from kvtier.config_flags import add_config_flags, config_from_args, explicit_paths
 
 
 def register(subparsers: Any) -> None:

@@ -17,8 +17,8 @@ import sys
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvtier.config import parse_size
 from kvtier.errors import ConfigError, KvtierError, StoreUnavailable
+from kvtier.units import parse_size
 
 
 def register(subparsers: Any) -> None:

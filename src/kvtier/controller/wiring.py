@@ -24,12 +24,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, urlsplit
 
-from kvtier.config import KvtierConfig, redact_url
+from kvtier.config import KvtierConfig
 from kvtier.controller.context import CacheContext
 from kvtier.errors import ConfigError
 from kvtier.index.residency import TIER_INDEX
 from kvtier.layout import KVLayout
 from kvtier.store.base import PageStore
+from kvtier.units import redact_url
 
 if TYPE_CHECKING:
     from kvtier.memory.host_pool import HostPool

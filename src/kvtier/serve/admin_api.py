@@ -26,7 +26,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from kvtier.config import KvtierConfig, parse_size
+from kvtier.config import KvtierConfig
+from kvtier.units import parse_size
 
 Tier = Literal["disk", "remote"]
 MAX_URL_CHARS = 2048

@@ -17,7 +17,7 @@ import logging
 import time
 from typing import Any
 
-from kvtier.config import redact_url
+from kvtier.units import redact_url
 
 TIERS = ("device", "host", "disk", "remote")
 STATS_TIMEOUT_S = 5.0

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from typing import ClassVar
 from urllib.parse import urlsplit
 
-from kvtier.config import parse_size
 from kvtier.errors import ConfigError
 from kvtier.store.base import Buffer, PageStore, StoreCounters, StoreStats, readable_view, writable_view
+from kvtier.units import parse_size
 
 
 class _Shelf:

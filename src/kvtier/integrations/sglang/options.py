@@ -22,8 +22,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvtier.config import StoreConfig, build_config, parse_size
+from kvtier.config import StoreConfig, build_config
 from kvtier.errors import ConfigError
+from kvtier.units import parse_size
 
 #: Fields of kvtier's ``store`` config section accepted under ``"kvtier"``.
 STORE_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(StoreConfig))

@@ -19,9 +19,9 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from kvtier.config import redact_url
 from kvtier.store import open_store
 from kvtier.store.base import Buffer, PageStore, StoreCounters
+from kvtier.units import redact_url
 
 log = logging.getLogger(__name__)
 

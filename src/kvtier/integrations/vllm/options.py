@@ -25,7 +25,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvtier.config import KvtierConfig, StoreConfig, build_config, explicit_paths
+from kvtier.config import KvtierConfig, StoreConfig, build_config
+from kvtier.config_flags import explicit_paths
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.saver import check_priority
 

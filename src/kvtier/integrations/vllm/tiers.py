@@ -31,10 +31,10 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from kvtier.config import parse_size
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.compat import require_offloading_plugins
 from kvtier.store import open_store
+from kvtier.units import parse_size
 
 require_offloading_plugins()      # before the vLLM imports, which need its tiering API
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kvtier.config import format_size
 from kvtier.store.base import Probe
 from kvtier.store.file.handle import StoreHandle
 from kvtier.store.file.segment import MANIFEST
+from kvtier.units import format_size
 
 
 def manifest_identity(root: Path) -> tuple[int, int]:

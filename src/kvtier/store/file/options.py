@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any, SupportsIndex, SupportsInt
 from urllib.parse import unquote, urlsplit
 
-from kvtier.config import parse_size
 from kvtier.errors import ConfigError
+from kvtier.units import parse_size
 
 _TRUE = ("1", "true", "yes", "on")
 _URL_FORM = "file:///absolute/path (a local directory)"

@@ -20,8 +20,8 @@ from dataclasses import dataclass, fields
 from typing import Any, SupportsFloat, SupportsIndex
 from urllib.parse import urlencode, urlsplit, urlunsplit
 
-from kvtier.config import parse_size
 from kvtier.errors import ConfigError
+from kvtier.units import parse_size
 
 #: Query parameters handed to redis-py untouched (TLS material, client name, database).
 PASSTHROUGH = frozenset({

@@ -28,7 +28,6 @@ from collections.abc import Sequence
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from kvtier.config import redact_url
 from kvtier.errors import ConfigError, StoreUnavailable
 from kvtier.keys import KEY_BYTES
 from kvtier.store.base import Buffer, PageStore, Probe, StoreCounters, StoreStats
@@ -42,6 +41,7 @@ from kvtier.store.redis.options import RedisOptions, parse_redis_url
 from kvtier.store.redis.pages import page_views
 from kvtier.store.redis.verify import PageJudge, Verdicts
 from kvtier.store.redis.wire import ServerError
+from kvtier.units import redact_url
 
 T = TypeVar("T")
 
