@@ -292,3 +292,29 @@ def test_the_configured_eviction_policy_runs_the_device_and_host_tiers(flag, nam
         cache.check_integrity()
     finally:
         cache.close()
+
+
+def test_the_copy_warm_up_runs_each_copy_once_on_free_pages_and_gives_them_back(caplog) -> None:
+    from kvtier.cache import warm_up_copies
+
+    with make_cache() as cache:
+        tokens = prompt(3, seed=4)
+        serve(cache, tokens)
+        ctx = cache.ctx
+        assert ctx.copy is not None and ctx.host_pool is not None
+        free = {t: ctx.index.sizes(t) for t in ("device", "host")}
+        before = ctx.copy.stats()
+        warm_up_copies(ctx)
+        after = ctx.copy.stats()
+        assert (after["store_batches"], after["load_batches"]) == (
+            before["store_batches"] + 1, before["load_batches"] + 2)
+        assert {t: ctx.index.sizes(t) for t in ("device", "host")} == free
+        assert_kv(cache, tokens, cache.device_prefix(tokens))   # nothing held was touched
+        cache.check_integrity()
+
+        def broken(device_id: int, host_id: int) -> None:
+            raise RuntimeError("no kernels")
+        ctx.copy.warm_up = broken                    # type: ignore[method-assign]
+        warm_up_copies(ctx)                          # logged; start-up goes on
+        assert "warm-up failed" in caplog.text
+        assert {t: ctx.index.sizes(t) for t in ("device", "host")} == free

@@ -181,3 +181,26 @@ def test_block_copies_are_checked_before_anything_moves():
     cpu = block_layout("CPU_ATTN", torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * DIM), HEADS, DIM)
     with pytest.raises(ValueError, match="rows"):
         BlockCopier.for_device_pool(cpu, pool)
+
+
+@interpreted
+def test_registering_warms_the_block_kernels_up_and_leaves_every_byte_as_it_was(runtime):
+    from kvtier.integrations.vllm.worker import WorkerSide
+    from vllm_copy_support import vllm_caches
+
+    caches = vllm_caches(runtime, "nhd", NUM_BLOCKS, "cpu", seed=3)
+    before = {name: kv.clone() for name, kv in caches.items()}
+    free = runtime.cache.device_pool.allocator.num_free
+    launched: list[str] = []
+    save, load = BlockCopier.save, BlockCopier.load
+    worker = WorkerSide(runtime, use_kernels=True)
+    try:
+        BlockCopier.save = lambda self, *a: (launched.append("save"), save(self, *a))[1]
+        BlockCopier.load = lambda self, *a: (launched.append("load"), load(self, *a))[1]
+        worker.register_kv_caches(caches, BACKENDS["nhd"])
+    finally:
+        BlockCopier.save, BlockCopier.load = save, load
+    assert launched == ["save", "load"]                    # both ways, before any request
+    assert all(torch.equal(as_words(caches[n]), as_words(before[n])) for n in caches)
+    assert runtime.cache.device_pool.allocator.num_free == free   # its page went back
+    assert not runtime.cache.controller.engine_pages

@@ -26,6 +26,7 @@ Engine thread only (one thread calls every method); IO runs on worker threads in
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -53,7 +54,7 @@ if TYPE_CHECKING:
 __all__ = ["Hit", "Loaded", "TieredCache"]
 
 STORE_TIERS = ("disk", "remote")
-
+log = logging.getLogger(__name__)
 
 class TieredCache:
     """See the module docstring. Build with ``TieredCache.build``."""
@@ -126,6 +127,8 @@ class TieredCache:
         bind_host_pool(ctx, host_pool, config)
         controller = CacheController(ctx, prefetch_share=config.host.prefetch_share,
                                      collective=collective)
+        if device_pool.kv.device.type == "cuda":
+            warm_up_copies(ctx)
         return cls(ctx, controller, budget)
 
     # ---- what the engine uses ----------------------------------------------------------------
@@ -294,6 +297,25 @@ class TieredCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def warm_up_copies(ctx: CacheContext) -> None:
+    """At start, run the copy engine's copies once on a device page and a host page taken from
+    the free pools and given back (``CopyEngine.warm_up``). A failure is logged and left to
+    the first real copy, which fails open like any other."""
+    if ctx.copy is None or ctx.host_pool is None:
+        return
+    taken: dict[str, list[int]] = {}
+    try:
+        for tier in ("device", "host"):
+            taken[tier] = ctx.index.allocate(tier, 1)
+        ctx.copy.warm_up(taken["device"][0], taken["host"][0])
+    except Exception as exc:            # start-up goes on without it
+        log.warning("kvtier: the copy kernels' warm-up failed (%s); they compile at first use",
+                    exc)
+    finally:
+        for tier, ids in taken.items():
+            ctx.index.free(tier, ids)
 
 
 def _check_page_sizes(config: KvtierConfig, layout: KVLayout, namespace: KeyNamespace) -> None:

@@ -308,6 +308,15 @@ class CopyEngine:
                 events.append(event)
         return events
 
+    def warm_up(self, device_id: int, host_id: int) -> None:
+        """Run every kind of copy this engine launches once, between pages ``device_id`` and
+        ``host_id`` (neither may hold anything: their bytes are overwritten), and wait: the
+        kernels are compiled, or loaded from Triton's disk cache, now and not inside the first
+        request that needs them (vLLM warns of every such compile during inference)."""
+        self.store([device_id], [host_id]).wait(None)
+        self.load([host_id], [device_id]).wait(None)
+        self.load_layerwise([host_id], [device_id]).wait(None)
+
     def stats(self) -> dict[str, object]:
         """Batches, pages and bytes submitted per direction, and the path in use."""
         kind = "triton" if self._use_kernels else "torch_reference"

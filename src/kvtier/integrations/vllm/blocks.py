@@ -14,8 +14,8 @@ block)`` of ``page``), so large kvtier pages still move into small vLLM blocks w
 after the attention that wrote the blocks, before the one that reads them). Without the kernel
 (vLLM's CPU backend and its transposed K, a page size that is not a multiple of the block size,
 a head dimension that is not contiguous, another dtype or device) the caller keeps to
-``layout``'s torch gathers. Runs on vLLM's model-runner thread (loads, forward saves) or
-kvtier's saver thread (CPU saves).
+``layout``'s torch gathers. Runs on vLLM's model-runner thread (loads, saves in the step, the
+warm-up at registration) or kvtier's saver thread (CPU saves, finished requests' pages).
 """
 
 from __future__ import annotations

@@ -27,6 +27,9 @@ Owns ``WorkerSide``. Runs on vLLM's model-runner thread, inside the forward:
   waits on a store: a full queue or no staging pages drop the save (counted), and a commit
   that fails is counted (``saves_failed``) and logged, never raised into vLLM.
 
+``register_kv_caches`` launches the block kernels once each way (``_warm_up_blocks``), so
+that none is compiled inside a request.
+
 A load whose staged pages are gone reports its blocks through ``get_block_ids_with_load_errors``
 (vLLM then recomputes them, or fails the request under the ``fail`` policy). Rows are in
 kvtier's canonical order (``layout``), so stored pages do not depend on the attention
@@ -111,10 +114,36 @@ class WorkerSide:
                        if wanted and fits else None)
         self.copier = SaveCopier(self.runtime, self.kv_caches, layout, self.blocks)
         self.runtime.saver.copier = self.copier
+        if self.blocks is not None:
+            self._warm_up_blocks(first)
         log.info("kvtier connector: %s KV layout (%s), %d blocks of %d tokens, copies by %s",
                  layout.kind, layout.name or "vLLM's CPU blocks", layout.num_blocks,
                  layout.block_size,
                  "transfer kernels" if self.blocks is not None else "torch gathers")
+
+    def _warm_up_blocks(self, kv: torch.Tensor) -> None:
+        """Launch the block kernels once each way before the first request (vLLM warns of a
+        kernel compiled during inference, and the first hit would pay for it): vLLM's block 0
+        of the first layer goes into a kvtier page taken from the free pool and comes back
+        unchanged, and the page goes back. A failure is logged; the first copy compiles them."""
+        assert self.blocks is not None
+        rt, block = self.runtime, self.runtime.shape.block_size
+        taken: list[int] = []
+        try:
+            with rt.lock:
+                taken = rt.cache.allocate(1)
+            sub_page = np.array([taken[0] * (rt.page_size // block)])
+            self.blocks.save(0, np.array([0]), sub_page, kv)
+            self.blocks.load(0, sub_page, np.array([0]), kv)
+            if kv.device.type == "cuda":
+                torch.cuda.synchronize(kv.device)
+        except Exception as exc:        # the engine starts regardless
+            log.warning("kvtier connector: the block kernels' warm-up failed (%s); they "
+                        "compile at first use", exc)
+        finally:
+            if taken:
+                with rt.lock:
+                    rt.cache.free(taken)
 
     # ---- loads -----------------------------------------------------------------------------
     def start_load_kv(self, meta: KvtierConnectorMetadata) -> None:
