@@ -53,8 +53,10 @@ if TYPE_CHECKING:
 
 __all__ = ["Hit", "Loaded", "TieredCache"]
 
-STORE_TIERS = ("disk", "remote")
 log = logging.getLogger(__name__)
+
+STORE_TIERS = ("disk", "remote")
+
 
 class TieredCache:
     """See the module docstring. Build with ``TieredCache.build``."""

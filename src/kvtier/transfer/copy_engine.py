@@ -215,8 +215,9 @@ class CopyEngine:
         return self._path
 
     def _staged_for(self, plan: CopyPlan, one_piece: bool) -> StagedCopier | None:
-        """The copy-engine copier that moves ``plan``, or None for the kernels."""
-        if self._path == "auto" and not (plan.direction == "load" and one_piece):
+        """The copy-engine copier that moves ``plan``, or None for the kernels (``auto`` stages
+        loads only, so a store finds none)."""
+        if self._path == "auto" and not one_piece:
             return None
         return self._staged.get(plan.direction)
 
