@@ -264,6 +264,13 @@ class Case:
         return {"ttft_ms": round(t * 1e3, 2), "cached": cached,
                 "by_cuda": top("self_device_time_total"), "by_cpu": top("self_cpu_time_total")}
 
+    def connector_counts(self, keys: tuple[str, ...]) -> dict[str, int]:
+        """kvtier's connector counters ``keys`` now ({} in a case without kvtier)."""
+        if self.name not in KVTIER_CASES:
+            return {}
+        counts = self.runtime().stats()["connector"]
+        return {k: int(counts.get(k, 0)) for k in keys}
+
     def held(self, p: list[int]) -> int:
         rt = self.runtime()
         rt.drain(60.0)
@@ -322,6 +329,9 @@ class Case:
         self.llm.generate(batch[:2], params, use_tqdm=False)   # warm-up (and graph shapes)
         batch = batch[2:] + [{"prompt_token_ids": prompt(THROUGHPUT_PROMPT, seed=6000 + i)}
                              for i in range(2)]
+        hooks = ("meta_builds", "meta_build_us", "worker_hooks_us", "lookup_us",
+                 "save_commit_cpu_us", "saved_tokens", "generated_saves")
+        before = self.connector_counts(hooks)
         started = time.perf_counter()
         outs = self.llm.generate(batch, params, use_tqdm=False)
         seconds = time.perf_counter() - started
@@ -329,5 +339,8 @@ class Case:
         out = {"prompts": len(batch), "seconds": round(seconds, 3),
                "gen_tok_s": round(generated / seconds, 1),
                "cached": sum(int(o.num_cached_tokens or 0) for o in outs)}
+        if before:      # the connector's CPU in the run (its step hooks, lookups, commits)
+            after = self.connector_counts(hooks)
+            out["connector"] = {k: after[k] - before[k] for k in hooks}
         log(f"{self.name}/{self.mode} throughput: {out}")
         return out

@@ -97,6 +97,10 @@ def summarize(args: argparse.Namespace, results: list[dict[str, Any]]) -> dict[s
             print(f"throughput, {args.batch} prompts x {THROUGHPUT_PROMPT} tokens, "
                   f"{THROUGHPUT_NEW} new: alone {thr['alone']['gen_tok_s']} gen tok/s, kvtier "
                   f"on (no hit) {thr['kvtier']['gen_tok_s']} ({thr['kvtier_over_alone']}x)")
+            spent = thr["kvtier"].get("connector")
+            if spent:
+                print(f"  kvtier's connector CPU in that run ({thr['kvtier']['seconds']} s): "
+                      + ", ".join(f"{k} {v}" for k, v in spent.items()))
         for c in VARIANTS:
             if thr.get(f"{c}_over_alone") is not None:
                 print(f"throughput {c} ({VARIANTS[c]}): {thr[c]['gen_tok_s']} gen tok/s "

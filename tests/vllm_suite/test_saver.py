@@ -295,3 +295,88 @@ def test_the_saver_runs_torch_ops_on_its_own_thread_and_leaves_other_threads_cou
     assert on_saver == 1
     assert torch.get_num_threads() == before
     assert started_later == [before]
+
+
+def test_on_cuda_a_finished_requests_pages_are_copied_in_the_next_step_with_no_thread(scheduler):
+    """The CUDA flow (on CPU tensors): the finished request's save rides in the next step's
+    metadata, marked held; vLLM keeps its blocks until the worker reports them copied in that
+    step, and the saver thread is never involved (a busy one must not matter)."""
+    from vllm.v1.request import RequestStatus
+
+    runtime = scheduler.connector.runtime
+    runtime.saves_in_step = True
+    worker = _worker(runtime, copy_in_step=True)
+    gate = _Gate(runtime.saver)
+    request = make_request(_prompt(40, 700), BLOCK, max_tokens=30)   # 1 prompt page, 2 in all
+    scheduler.add_request(request)
+    while not RequestStatus.is_finished(request.status):
+        out = scheduler.schedule()
+        worker.wait_for_save(out.kv_connector_metadata)
+        assert worker.get_finished(out.finished_req_ids) is None
+        scheduler.update_from_output(out, runner_output(out))
+    assert request.request_id in scheduler.requests          # kept for the finish-time save
+    free_before = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    step = scheduler.schedule()
+    meta = step.kv_connector_metadata
+    assert meta.held == [request.request_id]
+    assert [s.req_id for s in meta.saves] == [request.request_id]
+    worker.wait_for_save(meta)
+    tokens = list(request.all_token_ids)
+    assert runtime.cache.match(tokens[:64]).tokens == 64      # prompt and output pages
+    assert runtime.counts["saved_tokens"] == 32 + 32
+    assert runtime.saver.counts["saves_queued"] == 0
+    finished = worker.get_finished(step.finished_req_ids)
+    assert finished == {request.request_id}
+    assert worker.get_finished(set()) is None                 # reported once
+    scheduler.update_from_output(step, runner_output(step, finished_sending=finished))
+    assert request.request_id not in scheduler.requests
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() > free_before
+    assert scheduler.schedule().kv_connector_metadata.held == []
+    gate.open()
+    runtime.cache.check_integrity()
+
+
+@pytest.mark.parametrize("forward", ["none", "deferred"])
+def test_a_step_whose_saves_vllm_never_waits_for_still_copies_the_held_blocks(scheduler, forward):
+    """vLLM 0.26 runs a step without a forward (nothing scheduled, only finished requests
+    left) with no ``wait_for_save``, and a deferred finalize asks ``get_finished`` before it:
+    the connector stores that step's saves before it reports their blocks free, once."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.request import RequestStatus
+
+    from kvtier.integrations.vllm.connector import KvtierConnector
+
+    runtime = scheduler.connector.runtime
+    runtime.saves_in_step = True
+    config = scheduler.vllm_config
+    connector = KvtierConnector(config, KVConnectorRole.WORKER, scheduler.kv_cache_config)
+    assert connector.runtime is runtime
+    connector.worker = _worker(runtime, copy_in_step=True)
+    request = make_request(_prompt(40, 700), BLOCK, max_tokens=30)
+    scheduler.add_request(request)
+
+    def run(out, wait: bool):
+        connector.bind_connector_metadata(out.kv_connector_metadata)
+        connector.start_load_kv(None)
+        if wait:
+            connector.wait_for_save()
+        done, _ = connector.get_finished(out.finished_req_ids)
+        if forward == "deferred":
+            connector.wait_for_save()                  # the finalize after the draft model
+        connector.clear_connector_metadata()
+        return done
+
+    while not RequestStatus.is_finished(request.status):
+        out = scheduler.schedule()
+        assert run(out, wait=True) is None
+        scheduler.update_from_output(out, runner_output(out))
+    step = scheduler.schedule()
+    assert step.total_num_scheduled_tokens == 0 and step.kv_connector_metadata.held
+    done = run(step, wait=False)
+    assert done == {request.request_id}
+    assert runtime.cache.match(list(request.all_token_ids)[:64]).tokens == 64
+    assert runtime.counts["saved_tokens"] == 32 + 32          # stored once
+    assert connector.worker.get_finished(set()) is None       # and reported once
+    scheduler.update_from_output(step, runner_output(step, finished_sending=done))
+    assert request.request_id not in scheduler.requests
+    runtime.cache.check_integrity()

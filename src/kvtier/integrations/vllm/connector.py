@@ -17,6 +17,7 @@ on the thread vLLM calls it from (scheduling loop or model runner).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -52,13 +53,13 @@ class KvtierConnector(KVConnectorBase_V1):
         self.runtime: Any = runtime_for(vllm_config, kv_cache_config, options, scheduler)
         self.scheduler = SchedulerSide(self.runtime) if scheduler else None
         self.worker: Any = None
+        self._saved_step: KvtierConnectorMetadata | None = None   # the last step's saves ran
         if role == KVConnectorRole.WORKER and isinstance(self.runtime, RankRuntime):
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             self.worker = RankWorker(self.runtime, get_tensor_model_parallel_rank())
         elif role == KVConnectorRole.WORKER:
-            on_cuda = vllm_config.device_config.device_type == "cuda"
-            self.worker = WorkerSide(self.runtime, copy_in_step=on_cuda)
+            self.worker = WorkerSide(self.runtime, copy_in_step=self.runtime.saves_in_step)
         #: The scheduler half reports the engine's counters; a worker in a process of its own
         #: its own; a worker sharing the scheduler's runtime nothing (they would count twice).
         reports = scheduler or isinstance(self.runtime, RankRuntime)
@@ -76,6 +77,7 @@ class KvtierConnector(KVConnectorBase_V1):
         return None
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        started = time.perf_counter()
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvtierConnectorMetadata)
         self.worker.start_load_kv(meta)
@@ -84,6 +86,7 @@ class KvtierConnector(KVConnectorBase_V1):
         # does not depend on reading the forward context right); the context says it too.
         if meta.whole_loads or compat.graph_hides_layers(forward_context):
             self.worker.load_all_layers()
+        self._time_hook(started)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self.worker.wait_for_layer_load(layer_name)
@@ -93,10 +96,24 @@ class KvtierConnector(KVConnectorBase_V1):
         self.worker.save_kv_layer(self._get_connector_metadata(), layer_name, kv_layer)
 
     def wait_for_save(self) -> None:
-        if self.has_connector_metadata():
-            meta = self._get_connector_metadata()
-            assert isinstance(meta, KvtierConnectorMetadata)
-            self.worker.wait_for_save(meta)
+        """Store the step's saves, once per step: vLLM calls this after the forward, and
+        ``get_finished`` calls it when vLLM did not (a step without a forward on vLLM 0.26;
+        a deferred finalize, where vLLM asks ``get_finished`` first)."""
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvtierConnectorMetadata)
+        if meta is self._saved_step:
+            return
+        self._saved_step = meta
+        started = time.perf_counter()
+        self.worker.wait_for_save(meta)
+        self._time_hook(started)
+
+    def _time_hook(self, started: float) -> None:
+        """Count the model runner's time in a step hook (``worker_hooks_us``): the connector's
+        CPU cost per step, beside the scheduler's ``meta_build_us``."""
+        self.runtime.counts["worker_hooks_us"] += int((time.perf_counter() - started) * 1e6)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(kv_connector_metadata, KvtierConnectorMetadata)
@@ -104,6 +121,9 @@ class KvtierConnector(KVConnectorBase_V1):
             self.worker.handle_preemptions(kv_connector_metadata)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        # The blocks reported free must have been copied first: a finished request's save
+        # rides in this step, which may have had no ``wait_for_save`` yet.
+        self.wait_for_save()
         return self.worker.get_finished(finished_req_ids), None   # loads finish inside the step
 
     def get_block_ids_with_load_errors(self) -> set[int]:

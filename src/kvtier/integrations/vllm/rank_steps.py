@@ -11,9 +11,9 @@ itself, since a worker cannot look up what the scheduler staged:
 - a save is planned here (``SaveCopier.plan``: staging pages, pages kvtier holds reused) and
   its ``SaveSpec.pages`` tell each rank where to put its heads; it is committed (on the saver
   thread, ``saver``) once every rank has said it copied them;
-- a finished request whose output filled more pages keeps its blocks (``request_finished``
-  answers True) until the step that copies them: each rank reports it done in that step
-  (``held``), and vLLM frees the blocks once all have.
+- a finished request whose output filled more pages keeps its blocks until the step that
+  copies them (``SchedulerSide`` puts its save and its ``held`` mark in that step's
+  metadata): each rank reports it done in that step, and vLLM frees the blocks once all have.
 
 Each rank reports the steps it ran whole in its ``KvtierWorkerMeta``; vLLM sums them over the
 ranks (``aggregate``) and hands the sum to ``update_connector_output``. Steps end in order, so
@@ -32,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerM
 
 from kvtier.integrations.vllm.runtime import ConnectorRuntime
 from kvtier.integrations.vllm.saves import PromptSave, SaveCopier
-from kvtier.integrations.vllm.specs import LoadSpec, SaveSpec
+from kvtier.integrations.vllm.specs import LoadSpec
 
 
 @dataclass
@@ -68,8 +68,6 @@ class RankedSteps:
         runtime.saver.copier = self.copier       # commits planned saves on the saver thread
         self._next = 1
         self._pending: dict[int, _Step] = {}
-        self._generated: list[SaveSpec] = []     # finished requests' saves, for the next step
-        self._held: list[str] = []               # finished requests whose blocks wait for it
 
     def prepare(self, meta: Any) -> None:
         """Number the step, name the pool, and put the staged pages into its loads and the
@@ -89,8 +87,7 @@ class RankedSteps:
             by_request[spec.req_id] = loaded
             meta.loads.append(dataclasses.replace(spec, pages=tuple(loaded.device_page_ids),
                                                   page_start=loaded.start_tokens))
-        saves, meta.saves = list(meta.saves) + self._generated, []
-        self._generated = []
+        saves, meta.saves = list(meta.saves), []
         for spec in saves:
             handle = by_request.pop(spec.req_id, None)
             save = self.copier.plan(spec, [handle] if handle is not None else [])
@@ -101,15 +98,8 @@ class RankedSteps:
                                                   start=held * rt.page_size))
             step.saves.append(save)
         step.loads = list(by_request.values())
-        meta.held, self._held = self._held, []
         if step.loads or step.saves:
             self._pending[meta.step] = step
-
-    def save_finished(self, spec: SaveSpec) -> bool:
-        """Queue a finished request's save for the next step; True: vLLM keeps its blocks."""
-        self._generated.append(spec)
-        self._held.append(spec.req_id)
-        return True
 
     def on_output(self, worker_meta: Any) -> None:
         """End the steps every rank reported (and every step before them)."""

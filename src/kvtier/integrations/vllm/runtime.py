@@ -154,7 +154,8 @@ class ConnectorRuntime:
     """The shared cache and the per-request state both halves of the connector read."""
 
     def __init__(self, options: VllmConnectorOptions, shape: ModelShape, cache: Any,
-                 namespace: KeyNamespace, saver: Saver, shared: SharedPool | None = None) -> None:
+                 namespace: KeyNamespace, saver: Saver, shared: SharedPool | None = None,
+                 on_cuda: bool = False) -> None:
         self.options = options
         self.shape = shape
         self.cache = cache
@@ -162,6 +163,10 @@ class ConnectorRuntime:
         self.namespace = namespace
         #: The staging pool in shared memory when the workers run in processes of their own.
         self.shared = shared
+        #: The workers copy every save inside the step that carries it (stream-ordered on
+        #: CUDA; a rank's copies end in its step): no save waits on the saver thread to read
+        #: vLLM's blocks. False on vLLM's CPU backend in one process (the saver copies there).
+        self.saves_in_step = on_cuda or shared is not None
         self.lock = threading.RLock()
         self.staged: dict[str, Any] = {}      # request id -> kvtier Loaded, until its load ran
         self.counts: Counter[str] = Counter()
@@ -296,7 +301,8 @@ def _build(vllm_config: Any, kv_cache_config: Any, options: VllmConnectorOptions
         if shared is not None:
             shared.close()
         raise
-    runtime = ConnectorRuntime(options, shape, cache, namespace, saver, shared)
+    runtime = ConnectorRuntime(options, shape, cache, namespace, saver, shared,
+                               on_cuda=device.startswith("cuda"))
     atexit.register(runtime.close)
     if shape.refused:
         log.warning("kvtier connector: this model's KV is not served from or stored into "

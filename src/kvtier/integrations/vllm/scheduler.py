@@ -35,9 +35,13 @@ counted ``requests_refused_model_kv``.
 
 A request's prompt is stored once, in the step its prefill completes (every full kvtier page
 of it), unless kvtier already held all of it, and again when the request finishes if its
-output filled more pages (prompt and output together); the copy runs after
-the step on the runtime's saver thread, so ``request_finished`` keeps the request's blocks
-until it is over, and a preempted request is stored again once it resumes.
+output filled more pages (prompt and output together). Where the workers copy saves inside the
+step (``runtime.saves_in_step``: CUDA; and workers in processes of their own) that finished
+request's save rides in the next step's metadata with a ``held`` mark: ``request_finished``
+keeps its blocks, and the worker reports them free (``get_finished``) in the step that copied
+them. Otherwise (vLLM's CPU backend in one process) the runtime's saver thread copies after
+the step, and ``request_finished`` keeps the blocks until it is over. A preempted request is
+stored again once it resumes.
 """
 
 from __future__ import annotations
@@ -78,11 +82,13 @@ class KvtierConnectorMetadata(KVConnectorMetadata):
     #: The step is small enough to replay a full CUDA graph: its loads are copied whole before
     #: the forward, not layer by layer from hooks a graph replay would skip.
     whole_loads: bool = False
-    #: Workers in processes of their own (``rank_steps``): the step's number, the shared
-    #: staging pool, and finished requests whose blocks vLLM keeps until this step's copies.
+    #: Finished requests whose blocks vLLM keeps until this step's copies (their saves are
+    #: among ``saves``); the workers report them free once they have copied them.
+    held: list[str] = field(default_factory=list)
+    #: Workers in processes of their own (``rank_steps``): the step's number and the shared
+    #: staging pool.
     step: int = 0
     pool: PoolRef | None = None
-    held: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -108,6 +114,8 @@ class SchedulerSide:
         self._stepping: set[str] = set()   # requests the last step ran (and not finished)
         #: Workers in processes of their own: the steps they still run for kvtier.
         self.ranked = RankedSteps(runtime) if runtime.ranked else None
+        #: Finished requests' saves for the next step's workers (their blocks wait for it).
+        self._generated: list[SaveSpec] = []
 
     # ---- admission -------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any,
@@ -226,6 +234,14 @@ class SchedulerSide:
 
     # ---- each step -------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> KvtierConnectorMetadata:
+        started = time.perf_counter()
+        meta = self._build_meta(scheduler_output)
+        counts = self.runtime.counts
+        counts["meta_builds"] += 1
+        counts["meta_build_us"] += int((time.perf_counter() - started) * 1e6)
+        return meta
+
+    def _build_meta(self, scheduler_output: Any) -> KvtierConnectorMetadata:
         lock = self.runtime.lock
         if lock.acquire(blocking=False):    # the saver may be committing: it polls then too
             try:
@@ -261,6 +277,9 @@ class SchedulerSide:
                 tracked.blocks.extend(new_blocks[0])
             self._maybe_save(meta, tracked, cached.num_computed_tokens[i],
                              scheduler_output.num_scheduled_tokens.get(req_id, 0))
+        meta.saves.extend(self._generated)
+        meta.held = [spec.req_id for spec in self._generated]
+        self._generated = []
         if self.ranked is not None:
             self.ranked.prepare(meta)
         return meta
@@ -316,8 +335,9 @@ class SchedulerSide:
         spec = SaveSpec(request.request_id, tuple(request.all_token_ids[:full]),
                         request.cache_salt, tuple(block_ids[: -(-full // block)]))
         self.runtime.counts["generated_saves"] += 1
-        if self.ranked is not None:     # the workers copy it next step; vLLM keeps the blocks
-            return self.ranked.save_finished(spec)
+        if self.runtime.saves_in_step:  # the workers copy it next step; vLLM keeps the blocks
+            self._generated.append(spec)
+            return True
         self.runtime.saver.submit(request.request_id, spec=spec)
         return False
 

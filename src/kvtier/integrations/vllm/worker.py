@@ -14,7 +14,9 @@ Owns ``WorkerSide``. Runs on vLLM's model-runner thread, inside the forward:
   kvtier pages a whole number of vLLM's blocks, whole blocks with kvtier's row kernel
   (``blocks``, one launch per layer and request) and only the rows of partly loaded blocks
   by slot; otherwise every row by slot (torch gathers);
-- ``wait_for_save`` stores the step's saves (prompts whose prefill completed). On CUDA
+- ``wait_for_save`` stores the step's saves (prompts whose prefill completed, and finished
+  requests' prompt and output, whose blocks vLLM keeps until ``get_finished`` reports them
+  copied: the ``held`` mark). On CUDA
   (``copy_in_step``) it plans them, copies every layer of their rows out of vLLM's blocks
   (stream-ordered after the forward, one kernel launch or gather per layer) and commits them
   to the ``TieredCache`` right there: vLLM has queued the whole forward by then, so this CPU
@@ -85,6 +87,7 @@ class WorkerSide:
         self._loads: list[_Move] = []
         self._load_errors: set[int] = set()
         self._finished: set[str] = set()       # finished requests vLLM told us about
+        self._copied: set[str] = set()         # finished requests whose held blocks are copied
         #: Loads the step is done with whose host -> pool copy had not landed when it ended:
         #: released at a later step (releasing now would wait on the host for the copy).
         self._landing: list[Any] = []
@@ -255,6 +258,7 @@ class WorkerSide:
         self._loads = []
         if self.copy_in_step:
             self._save_in_step(meta)
+            self._copied.update(meta.held if meta is not None else ())
         else:
             saver = self.runtime.saver
             for spec in meta.saves if meta is not None else ():
@@ -332,8 +336,12 @@ class WorkerSide:
             self.runtime.saver.cancel(meta.preempted)
 
     def get_finished(self, finished_req_ids: set[str]) -> set[str] | None:
-        """Finished requests whose blocks vLLM kept for a save and may now free."""
-        self._finished.update(finished_req_ids)
-        done = self.runtime.saver.take_released(self._finished)
-        self._finished -= done
+        """Finished requests whose blocks vLLM kept for a save and may now free: those this
+        step's saves copied (stream-ordered before any later write to them), and on the saver's
+        path those whose save has stopped reading them."""
+        done, self._copied = self._copied, set()
+        if not self.copy_in_step:
+            self._finished.update(finished_req_ids)
+            done = self.runtime.saver.take_released(self._finished)
+            self._finished -= done
         return done or None
