@@ -380,3 +380,51 @@ def test_a_step_whose_saves_vllm_never_waits_for_still_copies_the_held_blocks(sc
     scheduler.update_from_output(step, runner_output(step, finished_sending=done))
     assert request.request_id not in scheduler.requests
     runtime.cache.check_integrity()
+
+
+def test_a_save_whose_head_a_load_pins_needs_staging_for_its_tail_only(scheduler):
+    """64 staging pages; a load pins a 40-page head on kvtier's device tier: storing head and
+    a 20-page tail needs 20 fresh pages, not 60 (which the pool cannot give while the head is
+    pinned), and copies only the tail."""
+    from kvtier.integrations.vllm.scheduler import KvtierConnectorMetadata, SaveSpec
+    from scheduler_harness import fill_kvtier
+
+    runtime = scheduler.connector.runtime
+    worker = _worker(runtime, copy_in_step=True)
+    tokens = _prompt(60 * BLOCK, 1000)
+    fill_kvtier(runtime, tokens[: 40 * BLOCK])
+    with runtime.lock:
+        pinned = runtime.cache.load(runtime.cache.match(tokens[: 40 * BLOCK]))
+    assert runtime.cache.device_pool.num_pages == 64
+    spec = SaveSpec("tail", tuple(tokens), None, tuple(range(1, 61)))
+    worker.wait_for_save(KvtierConnectorMetadata(saves=[spec]))
+    assert runtime.counts["saves_refused_no_staging"] == 0
+    assert runtime.counts["saved_tokens"] == 20 * BLOCK
+    with runtime.lock:
+        assert runtime.cache.match(tokens).tokens == 60 * BLOCK
+        runtime.cache.release(pinned)
+    runtime.cache.check_integrity()
+
+
+def test_a_save_whose_unpinned_head_is_evicted_for_its_tail_stores_the_whole_prompt(scheduler):
+    """The pool is full and the head is the least recently used: allocating the tail evicts
+    head pages, so the save takes pages for all of it instead (none refused)."""
+    from kvtier.integrations.vllm.scheduler import KvtierConnectorMetadata, SaveSpec
+    from scheduler_harness import fill_kvtier
+
+    runtime = scheduler.connector.runtime
+    worker = _worker(runtime, copy_in_step=True)
+    tokens = _prompt(60 * BLOCK, 1000)
+    fill_kvtier(runtime, tokens[: 40 * BLOCK])
+    fill_kvtier(runtime, _prompt(24 * BLOCK, 3000), seed=1)      # the pool is now full
+    with runtime.lock:
+        assert runtime.cache.match(tokens).tokens_by_tier.get("device", 0) == 40 * BLOCK
+    spec = SaveSpec("tail", tuple(tokens), None, tuple(range(1, 61)))
+    worker.wait_for_save(KvtierConnectorMetadata(saves=[spec]))
+    assert runtime.counts["saves_refused_no_staging"] == 0
+    with runtime.lock:
+        hit = runtime.cache.match(tokens)
+    assert hit.tokens == 60 * BLOCK
+    assert hit.tokens_by_tier["device"] == 60 * BLOCK
+    assert runtime.counts["saved_tokens"] == 60 * BLOCK         # the head copied again too
+    runtime.cache.check_integrity()

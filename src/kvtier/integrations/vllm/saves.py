@@ -88,20 +88,17 @@ class SaveCopier:
         full = len(spec.tokens) // page
         handles = list(handles or ())
         with rt.lock:
-            if rt.cache.match(spec.tokens, spec.salt).tokens >= full * page:
+            hit = rt.cache.match(spec.tokens, spec.salt)
+            if hit.tokens >= full * page:
                 rt.counts["saves_skipped_held"] += 1
                 self._release(handles)
                 return None
-            try:                        # allocating may evict, so match again after it
-                fresh = rt.cache.allocate(full)
-            except (KvtierError, MemoryError):
+            found = self._staging_pages(spec, full, hit.tokens_by_tier.get("device", 0) // page)
+            if found is None:
                 rt.counts["saves_refused_no_staging"] += 1
                 self._release(handles)
                 return None
-            hit = rt.cache.match(spec.tokens, spec.salt)
-            held = list(hit.device_page_ids[: hit.tokens_by_tier.get("device", 0) // page])
-            rt.cache.free(fresh[: len(held)])
-            fresh = fresh[len(held):]
+            held, fresh = found
         tokens = torch.arange(len(held) * page, full * page)
         ids = torch.tensor(held + fresh, dtype=torch.long)
         rows = ids[tokens // page] * page + tokens % page
@@ -117,6 +114,30 @@ class SaveCopier:
             save.blocks = table[len(held) * per_page:full * per_page]
             save.pages = sub_pages(torch.tensor(fresh, dtype=torch.long), page, block)
         return save
+
+    def _staging_pages(self, spec: SaveSpec, full: int,
+                       on_device: int) -> tuple[list[int], list[int]] | None:
+        """The pages of ``spec``'s ``full`` pages kvtier's device tier holds (its head) and
+        fresh staging pages for the rest, or None when the pool cannot give them. The head's
+        pages need none: only the part past them is allocated (a prompt whose prefix a load
+        pins on the device would otherwise need room for all of it). Allocating may evict
+        head pages that nothing pins, so the match is taken again after it; if it shrank,
+        the whole prompt is allocated instead. Runs under the runtime's lock."""
+        cache, page = self.runtime.cache, self.runtime.page_size
+        for want in dict.fromkeys((full - on_device, full)):     # the tail first, then all
+            try:
+                fresh = cache.allocate(want)
+            except (KvtierError, MemoryError):
+                continue
+            hit = cache.match(spec.tokens, spec.salt)
+            held = list(hit.device_page_ids[: hit.tokens_by_tier.get("device", 0) // page])
+            if len(held) + len(fresh) < full:                    # eviction took some of it
+                cache.free(fresh)
+                continue
+            extra = len(held) + len(fresh) - full
+            cache.free(fresh[:extra])
+            return held, fresh[extra:]
+        return None
 
     def copy_layer(self, save: PromptSave, layer: int, kv_layer: torch.Tensor | None = None) -> None:
         """Copy layer ``layer`` of ``save``'s rows from vLLM's tensor into the staging pages."""
