@@ -386,8 +386,9 @@ def test_a_save_whose_head_a_load_pins_needs_staging_for_its_tail_only(scheduler
     """64 staging pages; a load pins a 40-page head on kvtier's device tier: storing head and
     a 20-page tail needs 20 fresh pages, not 60 (which the pool cannot give while the head is
     pinned), and copies only the tail."""
-    from kvtier.integrations.vllm.scheduler import KvtierConnectorMetadata, SaveSpec
     from scheduler_harness import fill_kvtier
+
+    from kvtier.integrations.vllm.scheduler import KvtierConnectorMetadata, SaveSpec
 
     runtime = scheduler.connector.runtime
     worker = _worker(runtime, copy_in_step=True)
@@ -409,8 +410,9 @@ def test_a_save_whose_head_a_load_pins_needs_staging_for_its_tail_only(scheduler
 def test_a_save_whose_unpinned_head_is_evicted_for_its_tail_stores_the_whole_prompt(scheduler):
     """The pool is full and the head is the least recently used: allocating the tail evicts
     head pages, so the save takes pages for all of it instead (none refused)."""
-    from kvtier.integrations.vllm.scheduler import KvtierConnectorMetadata, SaveSpec
     from scheduler_harness import fill_kvtier
+
+    from kvtier.integrations.vllm.scheduler import KvtierConnectorMetadata, SaveSpec
 
     runtime = scheduler.connector.runtime
     worker = _worker(runtime, copy_in_step=True)
