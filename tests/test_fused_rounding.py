@@ -98,3 +98,76 @@ def test_install_norms_stays_through_fused_modules():
     x = torch.randn(1, 3, 64)
     assert torch.equal(model.model.norm(x), fused.rms_norm(x, model.model.norm.weight,
                                                            model.model.norm.variance_epsilon))
+
+
+def _ulps(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    scale = want.float().abs().clamp_min(torch.finfo(dtype).tiny)
+    return (got.float() - want.float()).abs() / (torch.finfo(dtype).eps * scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "width", "fused_rows"), [(7, 96, False), (33, 1500, False),
+                                                          (5, 2048, True)])
+def test_silu_mul_rounds_where_torch_rounds(dtype, rows, width, fused_rows):
+    gen = torch.Generator().manual_seed(rows + width)
+    if fused_rows:   # gate and up as the two halves of one [rows, 2 * width] projection
+        both = (torch.randn(rows, 2 * width, generator=gen) * 4).to(dtype)
+        gate, up = both[:, :width], both[:, width:]
+    else:
+        gate = (torch.randn(1, rows, width, generator=gen) * 4).to(dtype)
+        up = (torch.randn(1, rows, width, generator=gen) * 4).to(dtype)
+    want = torch.nn.functional.silu(gate) * up
+    got = fused.silu_mul(gate, up)
+    assert got.dtype == dtype and got.shape == want.shape
+    # The interpreter's exp is numpy's, the CPU's torch its own: the fp32 SiLU may differ in
+    # its last bits, so in 16 bits a few elements round the other way, and fp32 results differ
+    # by a few ulps (the GPU test wants every element equal).
+    if dtype != torch.float32:
+        assert float((got == want).float().mean()) >= 0.98
+    assert bool((_ulps(got, want, dtype) <= 4.0).all())
+
+
+def test_silu_mul_refuses_shapes_that_differ():
+    with pytest.raises(ValueError, match="differ"):
+        fused.silu_mul(torch.ones(2, 3), torch.ones(2, 4))
+
+
+def _tiny_llama(**extra):
+    config = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, vocab_size=50, **extra)
+    torch.manual_seed(0)
+    return modeling_llama.LlamaForCausalLM(config).eval()
+
+
+def test_install_mlps_runs_silu_mul_in_every_mlp(monkeypatch):
+    model = _tiny_llama()
+    mlp = model.model.layers[1].mlp
+    x = torch.randn(1, 5, 64)
+    with torch.no_grad():
+        want = type(mlp).forward(mlp, x)
+        assert fused.install_mlps(model) == 2
+        calls = []
+        real = fused.silu_mul
+        monkeypatch.setattr(fused, "silu_mul", lambda g, u: calls.append(1) or real(g, u))
+        got = mlp(x)
+    assert calls == [1]
+    assert float((got - want).abs().max()) <= 1e-5
+    # an MLP with another activation keeps transformers' forward
+    assert fused.install_mlps(_tiny_llama(hidden_act="gelu")) == 0
+
+
+def test_install_rotary_is_for_good_and_only_once(monkeypatch):
+    import inspect
+
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb",
+                        inspect.unwrap(modeling_llama.apply_rotary_pos_emb))
+    original = modeling_llama.apply_rotary_pos_emb
+    model = _tiny_llama()
+    assert fused.install_rotary(model) == 1
+    installed = modeling_llama.apply_rotary_pos_emb
+    assert installed is not original and installed.__wrapped__ is original
+    assert fused.install_rotary(model) == 0   # never wrapped twice
+    with fused.fused_modules(model) as replaced:
+        assert replaced == 2 * 2 + 1          # the norms only: the rotary function is ours
+        assert modeling_llama.apply_rotary_pos_emb is installed
+    assert modeling_llama.apply_rotary_pos_emb is installed

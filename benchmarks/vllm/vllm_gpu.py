@@ -20,7 +20,9 @@ Every case runs in a fresh process (``--case NAME``) on one GPU, with an 8B-shap
 - ``disk_store`` then ``disk_hit``: kvtier with a disk tier; the first process stores the
   prompts and exits (its exit hook drains the writes), a fresh one serves them from disk
   (its first request of each prompt), then forgets its host and device tiers and serves them
-  again ``--repeats`` times.
+  again ``--repeats`` times. After them the parent reads the store's files once with
+  ``O_DIRECT`` (``disk_probe.py``) and prints the disk's own GB/s and what each length's KV
+  takes at that speed: the floor under a disk hit on this machine.
 
 Every hit also generates 16 greedy tokens, compared with ``recompute``'s in the same mode; the
 ``--check-lengths`` prompts (one token past a page, so the hit leaves a single token to compute:
@@ -149,6 +151,8 @@ def parent_main(args: argparse.Namespace) -> None:
                 "args": {k: v for k, v in vars(args).items() if k != "child_argv"},
                 "cases": results})
     summary = summarize(args, results)
+    if any(r["case"] == "disk_hit" for r in results) and Path(args.disk_dir).is_dir():
+        summary["disk_raw_read"] = disk_floor(args)
     failed = [f"{r['case']}/{r['mode']}: {r.get('error')}" for r in results if not r.get("ok")]
     if failed:
         print("failed cases: " + "; ".join(failed))
@@ -159,6 +163,21 @@ def parent_main(args: argparse.Namespace) -> None:
         "args": {k: v for k, v in vars(args).items() if k != "child_argv"},
         "summary": summary, "cases": results})
     print(f"wrote {out / 'vllm_gpu.json'}")
+
+
+def disk_floor(args: argparse.Namespace) -> dict[str, Any]:
+    """The disk's own read speed under the disk cases' store, and what each prompt length's
+    KV takes at that speed (the floor under a disk hit on this machine)."""
+    from disk_probe import raw_read
+    from vllm_serve_plan import kv_bytes_per_token
+
+    probe = raw_read(Path(args.disk_dir))
+    per_token = kv_bytes_per_token(args.preset, args.dtype)
+    if probe["gb_s"]:
+        probe["floor_ms"] = {str(n): round(n * per_token / (probe["gb_s"] * 1e9) * 1e3, 1)
+                             for n in args.lengths}
+    print(f"disk under {args.disk_dir}: {probe}")
+    return probe
 
 
 def main() -> None:

@@ -201,3 +201,35 @@ def test_a_save_whose_unpinned_head_is_evicted_for_its_tail_stores_the_whole_pro
     assert hit.tokens_by_tier["device"] == 60 * BLOCK
     assert runtime.counts["saved_tokens"] == 60 * BLOCK         # the head copied again too
     runtime.cache.check_integrity()
+
+
+
+def test_a_save_finds_pages_whose_host_copies_finished_since_the_last_poll(scheduler,
+                                                                          monkeypatch):
+    """On CUDA a page stays locked by its host copy until a poll reaps the finished copy; here
+    the pool gives no page until the cache is polled: the save polls and takes them instead
+    of being refused."""
+    from kvtier.errors import PoolExhausted
+    from kvtier.integrations.vllm.scheduler import KvtierConnectorMetadata, SaveSpec
+
+    runtime = scheduler.connector.runtime
+    cache = runtime.cache
+    worker = make_worker(runtime, copy_in_step=True)
+    polled = []
+    real_allocate, real_poll = cache.allocate, cache.poll
+
+    def allocate(n: int) -> list[int]:
+        if not polled:
+            raise PoolExhausted("device pages locked by host copies not reaped yet")
+        return real_allocate(n)
+
+    monkeypatch.setattr(cache, "allocate", allocate)
+    monkeypatch.setattr(cache, "poll", lambda: polled.append(1) or real_poll())
+    tokens = prompt_ids(20 * BLOCK, 1000)
+    spec = SaveSpec("late", tuple(tokens), None, tuple(range(1, 21)))
+    worker.wait_for_save(KvtierConnectorMetadata(saves=[spec]))
+    assert runtime.counts["saves_refused_no_staging"] == 0
+    assert runtime.counts["saved_tokens"] == 20 * BLOCK
+    with runtime.lock:
+        assert cache.match(tokens).tokens == 20 * BLOCK
+    cache.check_integrity()

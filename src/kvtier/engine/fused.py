@@ -1,12 +1,15 @@
-"""Fused RMSNorm and rotary-embedding kernels for the suffix forward and the prefill.
+"""Fused element-wise kernels for every forward on CUDA: RMSNorm, the rotary embedding, SiLU·mul.
 
-Owns ``rms_norm`` and ``rotary`` (Triton kernels), ``install_norms`` (a model's RMSNorm modules
-run ``rms_norm`` for good) and ``fused_modules``, a context manager under which a Llama, Qwen2
-or Mistral-style transformers model also runs ``rotary``. A captured forward of a few tokens is
-bound by its kernels, not their launches: transformers' RMSNorm is eight small kernels (cast,
-square, mean, add, rsqrt, multiply, cast, scale) and its rotary embedding five per tensor (two
-multiplies, a negation, a concatenation, an add), about 900 of an 8B model's 1600 kernels per
-forward for a fifth of its GPU time. Here each is one kernel.
+Owns ``rms_norm``, ``rotary`` and ``silu_mul`` (Triton kernels); ``install_norms``,
+``install_rotary`` and ``install_mlps``, which put them into a Llama, Qwen2 or Mistral-style
+transformers model for good (``hf.load_model`` on CUDA: prefill, decode and hit forwards then
+run the same kernels); and ``fused_modules``, a context manager that swaps the norms and the
+rotary embedding in for a scope. transformers' RMSNorm is eight small kernels (cast, square,
+mean, add, rsqrt, multiply, cast, scale), its rotary embedding five per tensor (two multiplies, a
+negation, a concatenation, an add) and its MLP's activation two (SiLU, then the multiply by
+``up``): about 900 of an 8B model's 1600 kernels per forward, and in a 4k-token prefill on an
+H100 15 of its 120 ms of GPU time went to such element-wise kernels
+(``benchmarks/engine/prefill_profile.py``). Here each is one kernel.
 
 Rounding follows transformers step by step (``docs/architecture.md``, "Numerics"):
 
@@ -14,6 +17,10 @@ Rounding follows transformers step by step (``docs/architecture.md``, "Numerics"
   ``rotate_half(x) * sin`` each to the result dtype, then their sum (cos/sin stay in the dtype
   ``rotary_emb`` gave them, x's). No fused multiply-add. Its output is bit-identical to
   ``apply_rotary_pos_emb`` in fp32, bf16 and fp16.
+- ``silu_mul`` computes ``gate / (1 + exp(-gate))`` in fp32 as torch's CUDA SiLU does (the
+  correctly rounded division, CUDA's ``expf``), rounds it to the dtype, multiplies by ``up``
+  in fp32 and rounds again, as ``act_fn(gate_proj(x)) * up_proj(x)`` does. (In the Triton
+  interpreter ``exp`` is numpy's, which may differ from the CPU's torch in the last bit.)
 - ``rms_norm`` squares in fp32, means, adds eps, takes rsqrt and scales in fp32, rounds to x's
   dtype, then multiplies by the weight and rounds again, as ``LlamaRMSNorm`` does. What it
   cannot copy is the order of the mean's sum and the rsqrt's last bit (torch's reduction and
@@ -22,13 +29,14 @@ Rounding follows transformers step by step (``docs/architecture.md``, "Numerics"
   reduces one row in a fixed order: a row's result never depends on the other rows.
 
 ``SuffixGraphs`` enters ``fused_modules`` while it warms up and captures its steps (and while it
-runs them eagerly without CUDA); ``hf.load_model`` installs the norms with the kvtier attention
+runs them eagerly without CUDA); ``hf.load_model`` installs all three with the kvtier attention
 on CUDA. Engine thread.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -36,8 +44,14 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
-from kvtier.engine.rounding import round_to
+from kvtier.engine.rounding import INTERPRET, round_to
+
+#: Elements a program of ``silu_mul``.
+SILU_BLOCK = 1024
+#: Marks a module-level ``apply_rotary_pos_emb`` that is already ours (never wrapped twice).
+_FUSED_MARK = "_kvtier_fused_rotary"
 
 
 @triton.jit
@@ -70,25 +84,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @triton.jit
-def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, sx_h, sx_t, sc_t, so_h, so_t,
-                   HALF: tl.constexpr):
-    """One (token, head) row: ``x * cos + rotate_half(x) * sin``, each product and the sum
+def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, sx_h, sx_t, sc_t, so_h, so_t,
+                   HALF: tl.constexpr, HEADS: tl.constexpr):
+    """One token, every head: ``x * cos + rotate_half(x) * sin``, each product and the sum
     rounded to the output dtype, as transformers' element-wise ops round them."""
     token = tl.program_id(0)
-    head = tl.program_id(1)
     cols = tl.arange(0, 2 * HALF)
+    rows = tl.arange(0, HEADS)
+    ok = (rows < heads)[:, None]
     partner = (cols + HALF) % (2 * HALF)
-    base = x_ptr + head * sx_h + token * sx_t
-    x = tl.load(base + cols).to(tl.float32)
-    other = tl.load(base + partner).to(tl.float32)
-    rotated = tl.where(cols < HALF, -other, other)
-    cos = tl.load(cos_ptr + token * sc_t + cols).to(tl.float32)
-    sin = tl.load(sin_ptr + token * sc_t + cols).to(tl.float32)
+    base = x_ptr + token * sx_t + rows[:, None] * sx_h
+    x = tl.load(base + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    other = tl.load(base + partner[None, :], mask=ok, other=0.0).to(tl.float32)
+    rotated = tl.where((cols < HALF)[None, :], -other, other)
+    cos = tl.load(cos_ptr + token * sc_t + cols).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + token * sc_t + cols).to(tl.float32)[None, :]
     out_ty = out_ptr.dtype.element_ty
     first = round_to(x * cos, out_ty)
     second = round_to(rotated * sin, out_ty)
     out = round_to(first + second, out_ty)
-    tl.store(out_ptr + head * so_h + token * so_t + cols, out.to(out_ty))
+    tl.store(out_ptr + token * so_t + rows[:, None] * so_h + cols[None, :], out.to(out_ty),
+             mask=ok)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -96,9 +112,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     # laid out as transformers' projections leave it: [1, tokens, heads, dim] seen as heads-first
     out = torch.empty((1, tokens, heads, dim), dtype=torch.result_type(x, cos),
                       device=x.device).transpose(1, 2)
-    _rotary_kernel[(tokens, heads)](x, cos, sin, out, x.stride(1), x.stride(2), cos.stride(1),
-                                    out.stride(1), out.stride(2), HALF=dim // 2,
-                                    enable_fp_fusion=False)
+    _rotary_kernel[(tokens,)](x, cos, sin, out, heads, x.stride(1), x.stride(2), cos.stride(1),
+                              out.stride(1), out.stride(2), HALF=dim // 2,
+                              HEADS=triton.next_power_of_2(heads), enable_fp_fusion=False)
     return out
 
 
@@ -122,13 +138,98 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
 
 
 def _fused_rotary(original: Any) -> Any:
-    """``apply_rotary_pos_emb`` through ``rotary`` where it fits, ``original`` elsewhere."""
+    """``apply_rotary_pos_emb`` through ``rotary`` where it fits, ``original`` elsewhere
+    (``__wrapped__``)."""
+    @functools.wraps(original)
     def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                              sin: torch.Tensor, unsqueeze_dim: int = 1) -> Any:
         if rotary_fits(q, k, cos, sin, unsqueeze_dim):
             return rotary(q, k, cos, sin)
         return original(q, k, cos, sin, unsqueeze_dim)
+    setattr(apply_rotary_pos_emb, _FUSED_MARK, True)
     return apply_rotary_pos_emb
+
+
+@triton.jit
+def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n_cols, s_gate, s_up, s_out,
+                     BLOCK: tl.constexpr, INTERPRET_MODE: tl.constexpr):
+    """``BLOCK`` columns of one row: ``silu(gate)`` rounded to the dtype, times ``up``, rounded."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    gate = tl.load(gate_ptr + row * s_gate + cols, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + row * s_up + cols, mask=ok, other=0.0).to(tl.float32)
+    if INTERPRET_MODE:   # noqa: SIM108 (a constexpr branch: one of the two is compiled)
+        exp = tl.exp(-gate)
+    else:
+        exp = libdevice.exp(-gate)   # CUDA's expf, as torch's SiLU kernel calls it
+    out_ty = out_ptr.dtype.element_ty
+    act = round_to(tl.math.div_rn(gate, 1.0 + exp), out_ty)
+    tl.store(out_ptr + row * s_out + cols, round_to(act * up, out_ty).to(out_ty), mask=ok)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as 2-D rows of its last dimension, copied only where no such view exists."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for same-shape ``[..., width]`` tensors, as one kernel, rounded as
+    torch rounds the two ops."""
+    if gate.shape != up.shape:
+        raise ValueError(f"silu_mul: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
+    g, u = _rows(gate), _rows(up)
+    out = torch.empty(g.shape, dtype=torch.result_type(gate, up), device=gate.device)
+    if out.numel():
+        width = g.shape[1]
+        block = min(SILU_BLOCK, triton.next_power_of_2(width))
+        _silu_mul_kernel[(g.shape[0], triton.cdiv(width, block))](
+            g, u, out, width, g.stride(0), u.stride(0), out.stride(0), BLOCK=block,
+            INTERPRET_MODE=INTERPRET, enable_fp_fusion=False)
+    return out.view(gate.shape)
+
+
+def _is_silu_mlp(module: Any) -> bool:
+    act = getattr(module, "act_fn", None)
+    return (type(module).__name__.endswith("MLP")
+            and all(isinstance(getattr(module, name, None), torch.nn.Linear)
+                    for name in ("gate_proj", "up_proj", "down_proj"))
+            and (isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"))
+
+
+def install_mlps(model: Any) -> int:
+    """From now on every gated SiLU MLP of ``model`` (``down(silu(gate(x)) * up(x))``, as Llama,
+    Qwen2 and Mistral have) runs ``silu_mul`` between its projections; returns how many."""
+    mlps = [m for m in model.modules() if _is_silu_mlp(m)]
+    for mlp in mlps:
+        mlp.forward = _mlp_forward(mlp)
+    return len(mlps)
+
+
+def _mlp_forward(module: Any) -> Any:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return module.down_proj(silu_mul(module.gate_proj(x), module.up_proj(x)))
+    return forward
+
+
+def _rotary_homes(model: Any) -> set[Any]:
+    """The modules whose ``apply_rotary_pos_emb`` ``model``'s attention layers call."""
+    return {sys.modules[type(m).__module__] for m in model.modules()
+            if hasattr(sys.modules[type(m).__module__], "apply_rotary_pos_emb")
+            and type(m).__name__.endswith("Attention")}
+
+
+def install_rotary(model: Any) -> int:
+    """From now on ``model``'s attention layers apply the rotary embedding with ``rotary`` where
+    it fits (returns how many modules' functions were replaced). The function is replaced in
+    its transformers module, so every model of that kind in the process gets it: the results
+    are bit-identical to transformers' own, and shapes the kernel does not take go to it."""
+    homes = [home for home in _rotary_homes(model)
+             if not getattr(home.apply_rotary_pos_emb, _FUSED_MARK, False)]
+    for home in homes:
+        home.apply_rotary_pos_emb = _fused_rotary(home.apply_rotary_pos_emb)
+    return len(homes)
 
 
 def _is_rms_norm(module: Any) -> bool:
@@ -148,13 +249,12 @@ def install_norms(model: Any) -> int:
 @contextlib.contextmanager
 def fused_modules(model: Any) -> Iterator[int]:
     """Within: ``model``'s RMSNorm modules and its attention's ``apply_rotary_pos_emb`` run the
-    fused kernels. Yields how many modules and functions were replaced (norms that
-    ``install_norms`` replaced already are left as they are, and stay)."""
+    fused kernels. Yields how many modules and functions were replaced (norms and functions
+    that ``install_norms`` and ``install_rotary`` replaced already are left as they are, and
+    stay)."""
     norms = [m for m in model.modules() if _is_rms_norm(m) and "forward" not in m.__dict__]
-    rotary_homes = {sys.modules[type(m).__module__] for m in model.modules()
-                    if hasattr(sys.modules[type(m).__module__], "apply_rotary_pos_emb")
-                    and type(m).__name__.endswith("Attention")}
-    saved = [(home, home.apply_rotary_pos_emb) for home in rotary_homes]
+    saved = [(home, home.apply_rotary_pos_emb) for home in _rotary_homes(model)
+             if not getattr(home.apply_rotary_pos_emb, _FUSED_MARK, False)]
     for norm in norms:
         norm.forward = _norm_forward(norm)
     for home, original in saved:

@@ -125,7 +125,8 @@ def load_model(model: str, *, device: str = "auto", dtype: str = "auto", seed: i
     """Build a preset (random weights from ``seed``) or load a model directory onto ``device``.
     ``attention="kvtier"`` installs ``kvtier.engine.attention`` (split-KV kernels for short
     suffixes over a long past on CUDA; transformers' sdpa for everything else) and, on CUDA,
-    the fused RMSNorm for every forward (the captured hit path runs it: the prefill must too).
+    the fused RMSNorm, rotary embedding and SiLU·mul for every forward (the captured hit path
+    runs them: the prefill must too).
     ``deterministic`` (a bool, or ``engine.deterministic``'s auto/true/false) installs
     ``kvtier.engine.invariant`` (batch-invariant kernels)."""
     source = resolve_model(model)
@@ -141,6 +142,8 @@ def load_model(model: str, *, device: str = "auto", dtype: str = "auto", seed: i
 
         split_kv.install(hf_model)
         fused.install_norms(hf_model)
+        fused.install_rotary(hf_model)
+        fused.install_mlps(hf_model)
     if deterministic:
         from kvtier.engine import invariant
 

@@ -34,7 +34,7 @@ NAME = "kvtier_deterministic"
 #: Which sums these kernels do; part of the KV namespace of an engine running them (a page they
 #: computed continues bit-identically only under the same sums). Change it with any kernel
 #: change that moves a rounding.
-KERNELS = "invariant-2"
+KERNELS = "invariant-3"   # 3: the MLP's SiLU and multiply as one kernel (fused.silu_mul)
 #: Keys per attention slice: a multiple of the kernels' 64-key block and of every page size
 #: up to 256, so that slices of a hit's past and of a recompute are the same slices.
 SPLIT_TOKENS = 256

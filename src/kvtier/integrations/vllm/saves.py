@@ -94,6 +94,10 @@ class SaveCopier:
                 self._release(handles)
                 return None
             found = self._staging_pages(spec, full, hit.tokens_by_tier.get("device", 0) // page)
+            if found is None:           # copies that finished since the last poll pin no page
+                rt.cache.poll()
+                found = self._staging_pages(spec, full,
+                                            hit.tokens_by_tier.get("device", 0) // page)
             if found is None:
                 rt.counts["saves_refused_no_staging"] += 1
                 self._release(handles)
