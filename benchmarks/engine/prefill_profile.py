@@ -1,10 +1,13 @@
-"""Where a recompute's GPU time goes in kvtier's engine: one prompt's prefill under
-``torch.profiler``, its kernels grouped (matmuls, attention, norms, rotary, element-wise,
-copies, other), with the library kernels and with the deterministic ones.
+"""Where kvtier's engine spends its GPU time: one prompt's prefill and one decode step under
+``torch.profiler``, their kernels grouped (matmuls, attention, norms, rotary, element-wise,
+copies, other) and counted, with the library kernels and with the deterministic ones.
 
 For each ``--modes`` entry and each ``--lengths`` entry: fresh prompts (no cache hit) go
 through ``EngineService`` with one new token; the median TTFT of ``--repeats`` is timed first,
-then one more prompt runs under the profiler. Prints a table a (mode, length) and writes
+then one more prompt runs under the profiler. For each ``--decode-batches`` entry: that many
+fresh prompts at once, profiled once with one new token each and once with
+``--decode-steps`` more; the difference over the steps is one decode step (its kernels and
+their time, and the inter-token latency). Prints a table a row and writes
 ``prefill_profile.json`` (with the machine's facts) under ``--out``. Main thread; the engine
 runs on its own thread, as in ``kvtier serve`` (the profiler sees every thread's kernels).
 
@@ -47,6 +50,36 @@ def tokens(n: int, seed: int, vocab: int) -> list[int]:
     return [rng.randrange(5, min(vocab, 1000)) for _ in range(n)]
 
 
+def kernel_times(prof: Any, cuda: bool) -> dict[str, tuple[float, int]]:
+    """Each kernel's (microseconds, calls) in a profile (aten ops on the CPU, where the engine
+    thread's kernels are not recorded)."""
+    out: dict[str, tuple[float, int]] = {}
+    for evt in prof.key_averages():
+        us = float(getattr(evt, "device_time_total", 0.0) if cuda
+                   else getattr(evt, "self_cpu_time_total", 0.0))
+        if us <= 0 or (cuda and getattr(evt, "device_type", None) is not None
+                       and str(evt.device_type).endswith("CPU")):
+            continue
+        if not cuda and not evt.key.startswith("aten::"):
+            continue
+        out[evt.key] = (us, int(evt.count))
+    return out
+
+
+def summary_row(times: dict[str, tuple[float, float]], top: int) -> dict[str, Any]:
+    """Group totals (ms), the kernel count and the top kernels of ``times``."""
+    groups: dict[str, float] = {}
+    for name, (us, _) in times.items():
+        groups[group_of(name)] = groups.get(group_of(name), 0.0) + us
+    ranked = sorted(times.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"gpu_ms": round(sum(groups.values()) / 1e3, 3),
+            "kernels": round(sum(calls for _, calls in times.values()), 1),
+            "groups_ms": {g: round(v / 1e3, 3) for g, v in sorted(groups.items(),
+                                                                 key=lambda kv: -kv[1])},
+            "top": [{"kernel": k[:120], "ms": round(v[0] / 1e3, 3), "calls": round(v[1], 1)}
+                    for k, v in ranked]}
+
+
 def run_mode(args: argparse.Namespace, deterministic: bool) -> list[dict[str, Any]]:
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -59,46 +92,52 @@ def run_mode(args: argparse.Namespace, deterministic: bool) -> list[dict[str, An
     lm = load_model(args.preset, device=args.device, dtype=args.dtype, deterministic=deterministic)
     flags = {"engine.model": args.preset, "engine.device": args.device, "engine.dtype": args.dtype,
              "engine.deterministic": str(deterministic).lower(), "host.pool_bytes": "1GiB",
-             "cache.device_memory_fraction": "0.5"}
+             "cache.device_memory_fraction": "0.5",
+             "engine.max_running": str(max(args.decode_batches or [1]))}
     service = EngineService.build(build_config(env={}, flags=flags), lm=lm)
     vocab = int(lm.config.vocab_size)
     seed = iter(range(1, 1 << 30))
+    cuda = torch.cuda.is_available() and args.device.startswith("cuda")
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    mode = "deterministic" if deterministic else "library"
 
-    def one(n: int) -> float:
+    def run(n: int, batch: int = 1, new: int = 1) -> float:
+        """``batch`` fresh prompts of ``n`` tokens at once, ``new`` tokens each: wall seconds."""
         started = time.perf_counter()
-        service.submit(GenerationRequest(tuple(tokens(n, next(seed), vocab)), 1)).result(timeout=600)
+        handles = [service.submit(GenerationRequest(tuple(tokens(n, next(seed), vocab)), new))
+                   for _ in range(batch)]
+        for handle in handles:
+            handle.result(timeout=600)
         return time.perf_counter() - started
+
+    def profiled(*a: int) -> tuple[float, dict[str, tuple[float, int]]]:
+        with profile(activities=acts) as prof:
+            wall = run(*a)
+        return wall, kernel_times(prof, cuda)
 
     rows = []
     try:
-        one(64)   # warm-up: kernels compiled, graphs captured
+        run(64)   # warm-up: kernels compiled, graphs captured
         for n in args.lengths:
-            one(n)
-            ttft = statistics.median(one(n) for _ in range(args.repeats))
-            cuda = torch.cuda.is_available() and args.device.startswith("cuda")
-            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-            with profile(activities=acts) as prof:
-                one(n)
-            by_group: dict[str, float] = {}
-            kernels: dict[str, list[float]] = {}
-            for evt in prof.key_averages():
-                us = float(getattr(evt, "device_time_total", 0.0) if cuda
-                           else getattr(evt, "self_cpu_time_total", 0.0))
-                if us <= 0 or (cuda and getattr(evt, "device_type", None) is not None
-                               and str(evt.device_type).endswith("CPU")):
-                    continue
-                if not cuda and not evt.key.startswith("aten::"):
-                    continue
-                by_group[group_of(evt.key)] = by_group.get(group_of(evt.key), 0.0) + us
-                kernels[evt.key] = [us, float(evt.count)]
-            total = sum(by_group.values())
-            top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[: args.top]
-            rows.append({"mode": "deterministic" if deterministic else "library", "tokens": n,
-                         "ttft_ms": round(ttft * 1e3, 2), "gpu_ms": round(total / 1e3, 2),
-                         "groups_ms": {g: round(v / 1e3, 2) for g, v in
-                                       sorted(by_group.items(), key=lambda kv: -kv[1])},
-                         "top": [{"kernel": k[:120], "ms": round(v[0] / 1e3, 3),
-                                  "calls": int(v[1])} for k, v in top]})
+            run(n)
+            ttft = statistics.median(run(n) for _ in range(args.repeats))
+            _, times = profiled(n)
+            rows.append({"mode": mode, "kind": "prefill", "tokens": n,
+                         "ttft_ms": round(ttft * 1e3, 2), **summary_row(
+                             {k: (us, float(c)) for k, (us, c) in times.items()}, args.top)})
+        steps = args.decode_steps
+        for batch in args.decode_batches:
+            run(args.decode_prompt, batch, 1 + steps)            # warm-up: this batch's graphs
+            wall_1, first = profiled(args.decode_prompt, batch, 1)
+            wall_n, whole = profiled(args.decode_prompt, batch, 1 + steps)
+            # one decode step: the run with ``steps`` more tokens less the run with none
+            per_step = {k: ((us - first.get(k, (0.0, 0))[0]) / steps,
+                            (calls - first.get(k, (0.0, 0))[1]) / steps)
+                        for k, (us, calls) in whole.items()}
+            per_step = {k: v for k, v in per_step.items() if v[0] > 0}
+            rows.append({"mode": mode, "kind": "decode step", "tokens": args.decode_prompt,
+                         "batch": batch, "itl_ms": round((wall_n - wall_1) / steps * 1e3, 3),
+                         **summary_row(per_step, args.top)})
     finally:
         service.close()
         del lm
@@ -119,17 +158,25 @@ def main() -> None:
     p.add_argument("--lengths", default="4096,32768")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--top", type=int, default=12, help="kernels listed a row")
+    p.add_argument("--decode-batches", default="1,16",
+                   help="decode steps profiled at these batch sizes ('' for none)")
+    p.add_argument("--decode-prompt", type=int, default=2048, help="prompt tokens of each")
+    p.add_argument("--decode-steps", type=int, default=32, help="tokens the profiled run adds")
     args = p.parse_args()
-    args.lengths = [int(x) for x in args.lengths.split(",")]
+    args.lengths = [int(x) for x in args.lengths.split(",") if x]
+    args.decode_batches = [int(x) for x in args.decode_batches.split(",") if x]
     rows: list[dict[str, Any]] = []
     for mode in args.modes.split(","):
         rows += run_mode(args, deterministic=mode == "deterministic")
     groups = sorted({g for r in rows for g in r["groups_ms"]})
-    print(format_table(["mode", "tokens", "TTFT ms", "GPU ms", *groups],
-                       [[r["mode"], r["tokens"], r["ttft_ms"], r["gpu_ms"],
+    print(format_table(["mode", "what", "tokens", "batch", "TTFT/ITL ms", "GPU ms", "kernels",
+                        *groups],
+                       [[r["mode"], r["kind"], r["tokens"], r.get("batch", 1),
+                         r.get("ttft_ms", r.get("itl_ms")), r["gpu_ms"], r["kernels"],
                          *(r["groups_ms"].get(g, 0.0) for g in groups)] for r in rows]))
     for r in rows:
-        print(f"\n{r['mode']}, {r['tokens']} tokens: top kernels")
+        print(f"\n{r['mode']}, {r['kind']}, {r['tokens']} tokens, batch {r.get('batch', 1)}: "
+              "top kernels")
         print(format_table(["ms", "calls", "kernel"],
                            [[t["ms"], t["calls"], t["kernel"]] for t in r["top"]]))
     path = write_report(Path(args.out) / "prefill_profile.json", "prefill_profile",
