@@ -10,6 +10,9 @@ from typing import Any
 
 from vllm_serve_server import CONFIGS
 
+#: kvtier's counters of saves that did not store their prompt (``vllm:kvtier_*`` on /metrics).
+LOST_SAVES = ("saves_dropped_queue_full", "saves_refused_no_staging", "saves_refused_evicted",
+              "saves_incomplete", "saves_failed")
 METRICS = (("ttft_ms_p50", "TTFT p50"), ("ttft_ms_p99", "TTFT p99"), ("itl_ms_p50", "ITL p50"),
            ("requests_per_s", "req/s"), ("output_tokens_per_s", "out tok/s"),
            ("cached_tokens_share", "cached"))
@@ -35,14 +38,17 @@ def summarize_runs(results: list[dict[str, Any]],
         for c in CONFIGS:
             w = cells[c]
             hits = w.get("vllm_counters", {})
+            lost = (int(sum(hits.get(f"vllm:kvtier_{k}", 0) for k in LOST_SAVES))
+                    if hits and c == "kvtier" else "")
             rows.append([name, c, *[w.get(key) for key, _ in METRICS],
-                         int(hits.get("vllm:num_preemptions", 0)) if hits else None,
+                         int(hits.get("vllm:num_preemptions", 0)) if hits else None, lost,
                          w.get("failed", w.get("error", "not run"))])
         for base, r in ratios.items():
-            rows.append([name, base, *[r.get(key) for key, _ in METRICS[:-1]], "", "", ""])
+            rows.append([name, base, *[r.get(key) for key, _ in METRICS[:-1]], "", "", "", ""])
     text = format_table(["workload", "config", *[label for _, label in METRICS], "preempt",
-                         "failed"], rows)
+                         "saves lost", "failed"], rows)
     text += "\n(times in ms; cached: share of prompt tokens the server reports cached; " \
+            "saves lost: kvtier's saves dropped, refused, incomplete or failed; " \
             "kvtier/X rows: ratios, lower is better for times, higher for rates)"
     return summary, text
 
