@@ -233,3 +233,33 @@ def test_a_save_finds_pages_whose_host_copies_finished_since_the_last_poll(sched
     with runtime.lock:
         assert cache.match(tokens).tokens == 20 * BLOCK
     cache.check_integrity()
+
+
+def test_saves_refused_for_staging_are_counted_and_said_at_powers_of_two(scheduler, monkeypatch,
+                                                                         caplog):
+    """With no staging page to be had, each save is refused and counted; the log says so at the
+    1st, 2nd and 4th refusal, not at the 3rd, naming staging_pages."""
+    import logging
+
+    from kvtier.errors import PoolExhausted
+    from kvtier.integrations.vllm.scheduler import KvtierConnectorMetadata, SaveSpec
+
+    runtime = scheduler.connector.runtime
+    worker = make_worker(runtime, copy_in_step=True)
+
+    def allocate(n: int) -> list[int]:
+        raise PoolExhausted("every staging page is in use")
+
+    monkeypatch.setattr(runtime.cache, "allocate", allocate)
+    said = []
+    for i in range(4):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kvtier.integrations.vllm.saves"):
+            spec = SaveSpec(f"r{i}", tuple(prompt_ids(20 * BLOCK, 7000 + i)), None,
+                            tuple(range(1, 21)))
+            worker.wait_for_save(KvtierConnectorMetadata(saves=[spec]))
+        said.append(any("staging_pages" in r.getMessage() for r in caplog.records))
+    assert runtime.counts["saves_refused_no_staging"] == 4
+    assert runtime.counts["saved_tokens"] == 0
+    assert said == [True, True, False, True]
+    runtime.cache.check_integrity()

@@ -3,8 +3,10 @@
 Owns ``PromptSave`` (one prompt being stored) and ``SaveCopier`` (the tensor work on it):
 
 - ``plan(spec)`` takes staging pages for the full kvtier pages kvtier does not hold on its
-  device tier yet (pages it holds there are reused), and skips the prompt outright when kvtier
-  already holds every full page on some tier (no copy, no commit: counted ``saves_skipped_held``);
+  device tier yet (pages it holds there are reused; none free after a poll of finished host
+  copies: the save is refused, counted and logged at the 1st, 2nd, 4th, ... refusal), and
+  skips the prompt outright when kvtier already holds every full page on some tier (no copy,
+  no commit: counted ``saves_skipped_held``);
 - ``copy_layer(save, layer)`` gathers that layer's rows by slot from vLLM's KV tensor into the
   staging pages, in kvtier's canonical row order (``layout``): per layer and prompt one
   launch of kvtier's row kernel over whole blocks where ``blocks`` applies (CUDA, a vLLM
@@ -25,6 +27,7 @@ Every cache call takes the runtime's lock; the copies do not, since staging page
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +39,8 @@ from kvtier.integrations.vllm.blocks import BlockCopier, block_view, sub_pages
 from kvtier.integrations.vllm.layout import BlockLayout
 from kvtier.integrations.vllm.runtime import ConnectorRuntime
 from kvtier.integrations.vllm.specs import SaveSpec
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -100,6 +105,7 @@ class SaveCopier:
                                             hit.tokens_by_tier.get("device", 0) // page)
             if found is None:
                 rt.counts["saves_refused_no_staging"] += 1
+                self._warn_refused(full - hit.tokens_by_tier.get("device", 0) // page)
                 self._release(handles)
                 return None
             held, fresh = found
@@ -118,6 +124,17 @@ class SaveCopier:
             save.blocks = table[len(held) * per_page:full * per_page]
             save.pages = sub_pages(torch.tensor(fresh, dtype=torch.long), page, block)
         return save
+
+    def _warn_refused(self, wanted: int) -> None:
+        """Say so when a save is refused for want of staging pages: the 1st, 2nd, 4th, 8th, ...
+        time (a steady stream of refusals stays visible without flooding the log)."""
+        refused = self.runtime.counts["saves_refused_no_staging"]
+        if refused & (refused - 1) == 0:
+            log.warning("kvtier: a prompt was not stored: it needed %d staging pages and fewer "
+                        "were free (%d in all, held by loads and saves in flight); %d saves "
+                        "refused so far (saves_refused_no_staging). A larger staging_pages "
+                        "keeps them.", wanted, self.runtime.cache.device_pool.num_pages,
+                        refused)
 
     def _staging_pages(self, spec: SaveSpec, full: int,
                        on_device: int) -> tuple[list[int], list[int]] | None:
