@@ -3,6 +3,7 @@ values as transformers' modules, and ``fused_modules`` swaps them in and puts ev
 
 from __future__ import annotations
 
+import inspect
 import sys
 
 import pytest
@@ -47,11 +48,13 @@ def test_rotary_matches_transformers(model):
     assert float((got_k - want_k).abs().max()) <= 1e-5
 
 
-def test_fused_modules_swaps_in_and_restores():
+def test_fused_modules_swaps_in_and_restores(monkeypatch):
     lm = tiny_lm()
     model = lm.model
     attn = model.model.layers[0].self_attn
     home = sys.modules[type(attn).__module__]
+    # transformers' own function, even if a CUDA model loaded earlier installed ours for good
+    monkeypatch.setattr(home, "apply_rotary_pos_emb", inspect.unwrap(home.apply_rotary_pos_emb))
     original = home.apply_rotary_pos_emb
     norm = model.model.norm
     calls = []

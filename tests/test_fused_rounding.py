@@ -86,7 +86,11 @@ def test_rms_norm_rows_do_not_depend_on_their_neighbours(dtype):
         assert torch.equal(fused.rms_norm(x[start:stop], norm.weight, 1e-6), whole[start:stop])
 
 
-def test_install_norms_stays_through_fused_modules():
+def test_install_norms_stays_through_fused_modules(monkeypatch):
+    import inspect
+
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb",   # transformers' own function
+                        inspect.unwrap(modeling_llama.apply_rotary_pos_emb))
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, vocab_size=50)
     model = modeling_llama.LlamaForCausalLM(config)
