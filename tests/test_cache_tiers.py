@@ -318,3 +318,26 @@ def test_the_copy_warm_up_runs_each_copy_once_on_free_pages_and_gives_them_back(
         warm_up_copies(ctx)                          # logged; start-up goes on
         assert "warm-up failed" in caplog.text
         assert {t: ctx.index.sizes(t) for t in ("device", "host")} == free
+
+
+def test_allocate_reaps_finished_host_copies_before_it_gives_up(monkeypatch) -> None:
+    """Every device page is locked by a host copy that has landed but that no poll has reaped
+    yet: ``allocate`` reaps finished copies and hands the pages out instead of failing."""
+    from kvtier.transfer.copy_engine import Ticket
+
+    landed = {"yes": False}
+    monkeypatch.setattr(Ticket, "is_done", lambda self: landed["yes"])
+    cache = make_cache(device_pages=8, host_pages=64)
+    tokens = prompt(8, 1)
+    ids = cache.allocate(8)
+    write_kv(cache, tokens, ids)
+    cache.commit(tokens, ids)                  # its host copy is in flight: the pages are locked
+    with pytest.raises(PoolExhausted):
+        cache.allocate(1)
+    landed["yes"] = True                       # the copy lands; nothing has polled since
+    fresh = cache.allocate(8)
+    assert len(fresh) == 8
+    assert cache.match(tokens).tokens_by_tier.get("host", 0) == 8 * P
+    cache.free(fresh)
+    cache.check_integrity()
+    cache.close()

@@ -219,7 +219,8 @@ class TieredCache:
         return self.ctx.index
 
     def allocate(self, n_pages: int) -> list[int]:
-        """Device pages for new KV (evicting unpinned pages); ``PoolExhausted`` if impossible."""
+        """Device pages for new KV (evicting unpinned pages, and reaping finished host copies,
+        which lock theirs until reaped); ``PoolExhausted`` if impossible."""
         return self.controller.allocate(n_pages)
 
     def free(self, device_page_ids: Sequence[int]) -> None:

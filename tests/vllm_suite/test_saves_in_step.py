@@ -206,25 +206,21 @@ def test_a_save_whose_unpinned_head_is_evicted_for_its_tail_stores_the_whole_pro
 
 def test_a_save_finds_pages_whose_host_copies_finished_since_the_last_poll(scheduler,
                                                                           monkeypatch):
-    """On CUDA a page stays locked by its host copy until a poll reaps the finished copy; here
-    the pool gives no page until the cache is polled: the save polls and takes them instead
-    of being refused."""
-    from kvtier.errors import PoolExhausted
+    """Every staging page is locked by a host copy that has landed but that nothing has polled
+    yet (on CUDA a copy locks its pages until a poll reaps it): the save still gets its pages
+    (``allocate`` reaps finished copies) instead of being refused."""
     from kvtier.integrations.vllm.scheduler import KvtierConnectorMetadata, SaveSpec
+    from kvtier.transfer.copy_engine import Ticket
 
     runtime = scheduler.connector.runtime
     cache = runtime.cache
     worker = make_worker(runtime, copy_in_step=True)
-    polled = []
-    real_allocate, real_poll = cache.allocate, cache.poll
-
-    def allocate(n: int) -> list[int]:
-        if not polled:
-            raise PoolExhausted("device pages locked by host copies not reaped yet")
-        return real_allocate(n)
-
-    monkeypatch.setattr(cache, "allocate", allocate)
-    monkeypatch.setattr(cache, "poll", lambda: polled.append(1) or real_poll())
+    landed = {"yes": False}
+    monkeypatch.setattr(Ticket, "is_done", lambda self: landed["yes"])
+    with runtime.lock:   # 64 pages committed, their host copies in flight
+        assert cache.device_pool.num_pages == 64
+        cache.commit(prompt_ids(64 * BLOCK, 5000), cache.allocate(64))
+    landed["yes"] = True   # the copies land; nothing has polled since
     tokens = prompt_ids(20 * BLOCK, 1000)
     spec = SaveSpec("late", tuple(tokens), None, tuple(range(1, 21)))
     worker.wait_for_save(KvtierConnectorMetadata(saves=[spec]))

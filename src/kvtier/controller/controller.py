@@ -29,6 +29,7 @@ from kvtier.controller.ranks import Collective, RankAgreement
 from kvtier.controller.rates import RateBook
 from kvtier.controller.split import plan_split
 from kvtier.controller.writes import HostWriter
+from kvtier.errors import PoolExhausted
 from kvtier.hints import CacheHint
 from kvtier.index.radix import as_token_bytes, salt_bytes
 from kvtier.keys import Tokens
@@ -87,7 +88,11 @@ class CacheController:
         return layout.page_bytes // layout.page_size
 
     def allocate(self, n_pages: int) -> list[int]:
-        ids = self.ctx.index.allocate("device", n_pages)
+        try:
+            ids = self.ctx.index.allocate("device", n_pages)
+        except PoolExhausted:   # host copies that finished still lock their pages until reaped
+            self.poll()
+            ids = self.ctx.index.allocate("device", n_pages)
         self.engine_pages.update(ids)
         return ids
 

@@ -3,8 +3,9 @@
 Owns ``PromptSave`` (one prompt being stored) and ``SaveCopier`` (the tensor work on it):
 
 - ``plan(spec)`` takes staging pages for the full kvtier pages kvtier does not hold on its
-  device tier yet (pages it holds there are reused; none free after a poll of finished host
-  copies: the save is refused, counted and logged at the 1st, 2nd, 4th, ... refusal), and
+  device tier yet (pages it holds there are reused; none free, even once ``allocate`` has
+  reaped finished host copies: the save is refused, counted and logged at the 1st, 2nd, 4th,
+  ... refusal), and
   skips the prompt outright when kvtier already holds every full page on some tier (no copy,
   no commit: counted ``saves_skipped_held``);
 - ``copy_layer(save, layer)`` gathers that layer's rows by slot from vLLM's KV tensor into the
@@ -98,14 +99,11 @@ class SaveCopier:
                 rt.counts["saves_skipped_held"] += 1
                 self._release(handles)
                 return None
-            found = self._staging_pages(spec, full, hit.tokens_by_tier.get("device", 0) // page)
-            if found is None:           # copies that finished since the last poll pin no page
-                rt.cache.poll()
-                found = self._staging_pages(spec, full,
-                                            hit.tokens_by_tier.get("device", 0) // page)
+            on_device = hit.tokens_by_tier.get("device", 0) // page
+            found = self._staging_pages(spec, full, on_device)
             if found is None:
                 rt.counts["saves_refused_no_staging"] += 1
-                self._warn_refused(full - hit.tokens_by_tier.get("device", 0) // page)
+                self._warn_refused(full - on_device)
                 self._release(handles)
                 return None
             held, fresh = found
