@@ -192,3 +192,19 @@ def test_tiles_and_chunks_that_do_not_fit_are_refused():
         paged_triton.paged_attention(query, k, v, table, tiles, SCALE, 40)
     with pytest.raises(ValueError, match="multiple"):
         paged_triton.paged_attention(query, k, v, table, tiles[:, :], SCALE, 32, chunk=100)
+    with pytest.raises(ValueError, match="whole blocks"):
+        paged_triton.paged_attention(query, k, v, table, tiles[:, :], SCALE, 32, chunk=192,
+                                     block_n=128)
+
+
+@pytest.mark.parametrize("block_n,page", [(32, 64), (128, 64)])
+def test_other_key_blocks_still_compute_attention(block_n, page):
+    """The benchmark's launch choices (``attention_sweep.py``): other key blocks, with pages
+    holding whole blocks (one lookup each) or blocks spanning pages (one lookup per key)."""
+    start, count = 150, 90
+    k, v, table = _pool(start + count, page, 2)
+    query = _query(count, 4)
+    tiles = _tiles(start, count, 2)
+    got = paged_triton.paged_attention(query, k, v, table, tiles, SCALE, int(tiles[:, 2].max()),
+                                       chunk=2 * block_n, block_n=block_n)
+    torch.testing.assert_close(got, _reference(query, k, v, table, start), rtol=1e-5, atol=1e-5)

@@ -1,9 +1,12 @@
 """The disk's own read speed under a store directory: the floor under a disk hit on this machine.
 
 Owns ``raw_read``: every file under a directory read once with ``O_DIRECT`` (the page cache
-bypassed, as kvtier's disk tier reads) by a few threads in 16 MiB chunks, so a disk hit's time
-can be set beside the time the device itself needs for the same bytes. ``vllm_gpu.py``'s parent
-calls it after the disk cases, on its main thread (the readers are its own threads).
+bypassed) by a few threads in 16 MiB chunks, so a disk hit's time can be set beside the time
+the device itself needs for the same bytes; and ``evict``: the same files flushed and dropped
+from the OS page cache (``posix_fadvise(DONTNEED)``, no privileges needed), so that a disk hit
+in a fresh process reads the disk rather than memory the writing process left behind (kvtier's
+disk tier reads through the page cache unless its ``direct`` option is on). ``vllm_gpu.py``'s
+parent calls both around the disk cases, on its main thread (the readers are its own threads).
 """
 
 from __future__ import annotations
@@ -48,3 +51,18 @@ def raw_read(root: Path, threads: int = THREADS) -> dict[str, Any]:
     return {"files": len(files), "bytes": total, "seconds": round(seconds, 3),
             "gb_s": round(total / seconds / 1e9, 2) if total and seconds > 0 else None,
             "threads": threads, "o_direct": hasattr(os, "O_DIRECT")}
+
+
+def evict(root: Path) -> dict[str, Any]:
+    """Write back and drop every file under ``root`` from the page cache; returns the files
+    and bytes asked for (the kernel may keep pages another process has locked or mapped)."""
+    files, total = 0, 0
+    for path in sorted(p for p in Path(root).rglob("*") if p.is_file()):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)                  # dirty pages cannot be dropped
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            files, total = files + 1, total + os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+    return {"files": files, "bytes": total}

@@ -18,9 +18,12 @@ Every case runs in a fresh process (``--case NAME``) on one GPU, with an 8B-shap
   TTFT of unseen prompts and (``graphs``) the throughput with kvtier on and no hit (the miss
   path);
 - ``disk_store`` then ``disk_hit``: kvtier with a disk tier; the first process stores the
-  prompts and exits (its exit hook drains the writes), a fresh one serves them from disk
-  (its first request of each prompt), then forgets its host and device tiers and serves them
-  again ``--repeats`` times. After them the parent reads the store's files once with
+  prompts and exits (its exit hook drains the writes); with ``--disk-cache cold`` (the
+  default) the parent then drops the store's files from the OS page cache (``disk_probe.evict``),
+  so the hit reads the disk (``warm``: whatever the page cache kept); a fresh process serves
+  them from disk (its first request of each prompt), then forgets its host and device tiers
+  (and, when cold, the page cache again between repeats: see ``vllm_gpu_case.py``) and serves
+  them again ``--repeats`` times. After them the parent reads the store's files once with
   ``O_DIRECT`` (``disk_probe.py``) and prints the disk's own GB/s and what each length's KV
   takes at that speed: the floor under a disk hit on this machine.
 
@@ -144,6 +147,10 @@ def parent_main(args: argparse.Namespace) -> None:
             if left < 30:
                 results.append({"case": case, "mode": mode, "ok": False, "error": "no time left"})
                 continue
+            if case == "disk_hit" and args.disk_cache == "cold" and Path(args.disk_dir).is_dir():
+                from disk_probe import evict
+
+                log(f"page cache dropped for the store: {evict(Path(args.disk_dir))}")
             log(f"case {case} / {mode} ({left:.0f} s left)")
             results.append(run_child(args, case, mode, min(left, args.case_timeout_s), logf))
             logf.flush()
@@ -190,6 +197,8 @@ def main() -> None:
     p.add_argument("--preset", default="llama3-8b-shape")
     p.add_argument("--model-dir", default="/tmp/kvtier_bench_model")
     p.add_argument("--disk-dir", default="/tmp/kvtier_bench_disk")
+    p.add_argument("--disk-cache", choices=("cold", "warm"), default="cold",
+                   help="drop the store's files from the OS page cache before the disk hits")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--lengths", default="4096,32768")
     p.add_argument("--check-lengths", default="4097")

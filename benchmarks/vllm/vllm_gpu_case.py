@@ -14,6 +14,7 @@ import json
 import random
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 #: kvtier variants: connector options beside the defaults (``kvtier``), each a host-hit case.
@@ -315,6 +316,10 @@ class Case:
         hits = []
         for _ in range(self.args.repeats if timed else 0):
             self.drop_gpu_copies(("device", "host"))
+            if self.args.disk_cache == "cold":    # the first request read the files in
+                from disk_probe import evict
+
+                evict(Path(self.args.disk_dir))
             hits.append(self.gen(p, 1))
         r["ttft_s"], r["cached"] = [t for t, _, _ in hits], [c for _, _, c in hits]
 
@@ -330,7 +335,8 @@ class Case:
         batch = batch[2:] + [{"prompt_token_ids": prompt(THROUGHPUT_PROMPT, seed=6000 + i)}
                              for i in range(2)]
         hooks = ("meta_builds", "meta_build_us", "worker_hooks_us", "lookup_us",
-                 "save_commit_cpu_us", "saved_tokens", "generated_saves")
+                 "save_plan_cpu_us", "save_copy_cpu_us", "save_commit_cpu_us", "saved_tokens",
+                 "generated_saves")
         before = self.connector_counts(hooks)
         started = time.perf_counter()
         outs = self.llm.generate(batch, params, use_tqdm=False)

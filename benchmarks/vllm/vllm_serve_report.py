@@ -1,5 +1,6 @@
-"""``vllm_serve.py``'s report: per workload and config the TTFT, ITL, rates, cached share,
-preemptions and failures, the kvtier/native and kvtier/alone ratios as a table, and the GPU's
+"""``vllm_serve.py``'s report: per workload and config the TTFT, ITL, rates, cached share and
+where it came from (vLLM's GPU prefix cache or the connector's / offloading's load), preemptions
+and failures, the kvtier/native and kvtier/alone ratios as a table, and the GPU's
 tag the result files are named after. The main thread runs it once every server has stopped.
 """
 
@@ -41,16 +42,29 @@ def summarize_runs(results: list[dict[str, Any]],
             lost = (int(sum(hits.get(f"vllm:kvtier_{k}", 0) for k in LOST_SAVES))
                     if hits and c == "kvtier" else "")
             rows.append([name, c, *[w.get(key) for key, _ in METRICS],
+                         *_sources(hits, w.get("prompt_tokens")),
                          int(hits.get("vllm:num_preemptions", 0)) if hits else None, lost,
                          w.get("failed", w.get("error", "not run"))])
         for base, r in ratios.items():
-            rows.append([name, base, *[r.get(key) for key, _ in METRICS[:-1]], "", "", "", ""])
-    text = format_table(["workload", "config", *[label for _, label in METRICS], "preempt",
-                         "saves lost", "failed"], rows)
-    text += "\n(times in ms; cached: share of prompt tokens the server reports cached; " \
+            rows.append([name, base, *[r.get(key) for key, _ in METRICS[:-1]],
+                         "", "", "", "", "", ""])
+    text = format_table(["workload", "config", *[label for _, label in METRICS], "from GPU",
+                         "loaded", "preempt", "saves lost", "failed"], rows)
+    text += "\n(times in ms; cached: share of prompt tokens the server reports cached; from " \
+            "GPU / loaded: shares of prompt tokens vLLM's own prefix cache hit and the " \
+            "connector or native offloading loaded (vllm:prefix_cache_hits, " \
+            "vllm:external_prefix_cache_hits); " \
             "saves lost: kvtier's saves dropped, refused, incomplete or failed; " \
             "kvtier/X rows: ratios, lower is better for times, higher for rates)"
     return summary, text
+
+
+def _sources(counters: dict[str, float], prompt_tokens: Any) -> list[float | None]:
+    """Shares of ``prompt_tokens`` from vLLM's GPU prefix cache and from a load."""
+    if not counters or not prompt_tokens:
+        return [None, None]
+    return [round(counters.get(f"vllm:{name}", 0.0) / prompt_tokens, 3)
+            for name in ("prefix_cache_hits", "external_prefix_cache_hits")]
 
 
 def gpu_tag() -> str:

@@ -36,6 +36,7 @@ def test_saves_copied_in_the_step_are_committed_before_it_ends_with_no_thread(sc
     gate = SaverGate(runtime.saver)                  # the saver thread is busy: it must not matter
     worker.wait_for_save(out.kv_connector_metadata)
     assert runtime.counts["saved_tokens"] == 96
+    assert runtime.counts["save_plan_cpu_us"] > 0 and runtime.counts["save_copy_cpu_us"] > 0
     assert runtime.saver.counts["saves_queued"] == 0
     assert not runtime.saver.hold_blocks(request.request_id)
     scheduler.update_from_output(out, runner_output(out))

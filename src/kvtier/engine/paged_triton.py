@@ -47,7 +47,6 @@ from kvtier.engine.paged_tiles import (
     check_chunk,
     load_block,
     merge_chunk,
-    page_run,
     precision_for,
 )
 from kvtier.engine.rounding import INTERPRET
@@ -203,12 +202,15 @@ def tokens_per_tile(n_rep: int) -> int:
 def paged_attention(query: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor,
                     table: torch.Tensor, blocks: torch.Tensor, scaling: float,
                     longest: int, out: torch.Tensor | None = None, *,
-                    chunk: int = CHUNK_TOKENS) -> torch.Tensor:
+                    chunk: int = CHUNK_TOKENS, block_n: int = BLOCK_N,
+                    launch: dict[str, int] | None = None) -> torch.Tensor:
     """Launch the kernel: ``table`` ``[sequences, pages]`` int32, ``blocks`` as
     ``TritonBatch.blocks``, ``longest`` the most queries in one tile; writes the tiles'
     rows of ``out`` (new when None) and returns it. ``chunk`` (keys a chunk sums from
     scratch, a multiple of ``BLOCK_N``) is the engine's ``CHUNK_TOKENS``; tests take small
-    ones to cross many chunk boundaries in few keys."""
+    ones to cross many chunk boundaries in few keys. ``block_n`` and ``launch`` (warps and
+    stages in place of the autotune's) are for ``benchmarks/engine/attention_sweep.py``: the
+    engine keeps ``BLOCK_N``, which the split launch shares."""
     total, heads, dim = query.shape
     kv_heads = key_pages.shape[2]
     if heads % kv_heads or dim & (dim - 1) or dim < 16:
@@ -225,11 +227,16 @@ def paged_attention(query: torch.Tensor, key_pages: torch.Tensor, value_pages: t
     args = (query, key_pages, value_pages, out, table, blocks,
             query.stride(0), query.stride(1), key_pages.stride(1), key_pages.stride(2),
             table.shape[1], n_rep, key_pages.shape[1], scaling * 1.4426950408889634)
-    constants = dict(HEAD_DIM=dim, BLOCK_M=MAX_ROWS, BLOCK_N=BLOCK_N,
-                     CHUNK=chunk, PER_CHUNK=chunk // BLOCK_N,
-                     PAGE_RUN=page_run(key_pages.shape[1]), PRECISION=precision_for(query.dtype))
+    if chunk % block_n:
+        raise ValueError(f"a chunk of {chunk} keys is not whole blocks of {block_n}")
+    constants = dict(HEAD_DIM=dim, BLOCK_M=MAX_ROWS, BLOCK_N=block_n,
+                     CHUNK=chunk, PER_CHUNK=chunk // block_n,
+                     PAGE_RUN=key_pages.shape[1] % block_n == 0,
+                     PRECISION=precision_for(query.dtype))
     grid = (blocks.shape[0], kv_heads)
-    if INTERPRET:   # no timing on the CPU: one config
+    if launch is not None:
+        flash_prefill_kernel[grid](*args, **constants, **launch)
+    elif INTERPRET:   # no timing on the CPU: one config
         flash_prefill_kernel[grid](*args, **constants, num_warps=NUM_WARPS)
     else:
         _tuned_kernel[grid](*args, **constants)

@@ -90,9 +90,17 @@ class SaveCopier:
         """Staging pages and row indices for ``spec``; None when nothing is to be done.
         ``handles`` (the request's loads this step, which pin its head on kvtier's device
         tier) are released once the save commits or gives up."""
+        started = time.thread_time()
+        try:
+            return self._plan(spec, list(handles or ()))
+        finally:
+            with self.runtime.lock:
+                self.runtime.counts["save_plan_cpu_us"] += int(
+                    (time.thread_time() - started) * 1e6)
+
+    def _plan(self, spec: SaveSpec, handles: list[Any]) -> PromptSave | None:
         rt, page = self.runtime, self.runtime.page_size
         full = len(spec.tokens) // page
-        handles = list(handles or ())
         with rt.lock:
             hit = rt.cache.match(spec.tokens, spec.salt)
             if hit.tokens >= full * page:
