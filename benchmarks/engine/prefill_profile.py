@@ -7,9 +7,11 @@ through ``EngineService`` with one new token; the median TTFT of ``--repeats`` i
 then one more prompt runs under the profiler. For each ``--decode-batches`` entry: that many
 fresh prompts at once, profiled once with one new token each and once with
 ``--decode-steps`` more; the difference over the steps is one decode step (its kernels and
-their time, and the inter-token latency). Prints a table a row and writes
-``prefill_profile.json`` (with the machine's facts) under ``--out``. Main thread; the engine
-runs on its own thread, as in ``kvtier serve`` (the profiler sees every thread's kernels).
+their time, and the inter-token latency), and the same difference under ``cProfile`` on the
+engine thread gives the step's Python (``--python-top``: the host's share of the latency).
+Prints a table a row and writes ``prefill_profile.json`` (with the machine's facts) under
+``--out``. Main thread; the engine runs on its own thread, as in ``kvtier serve`` (the profiler
+sees every thread's kernels).
 
     PYTHONPATH=src python3 benchmarks/engine/prefill_profile.py --out /tmp/pp
     PYTHONPATH=src python3 benchmarks/engine/prefill_profile.py --device cpu --preset tiny-llama \\
@@ -80,6 +82,43 @@ def summary_row(times: dict[str, tuple[float, float]], top: int) -> dict[str, An
                     for k, v in ranked]}
 
 
+def python_times(prof: Any) -> dict[str, tuple[float, int]]:
+    """Each Python function's own time (microseconds) and calls in a ``cProfile`` run."""
+    import pstats
+
+    out: dict[str, tuple[float, int]] = {}
+    for (path, line, name), (_, calls, own, _, _) in pstats.Stats(prof).stats.items():
+        where = f"{Path(path).name}:{line}({name})" if path != "~" else name
+        out[where] = (own * 1e6, int(calls))
+    return out
+
+
+def python_per_step(args: argparse.Namespace, service: Any, run: Any,
+                    batch: int) -> list[dict[str, Any]]:
+    """The engine thread's Python per decode step (``cProfile`` on that thread, the run with
+    ``--decode-steps`` more tokens less the run with none): where the host's share of the
+    inter-token latency goes, CUDA calls that wait (a sync, a copy) included. The profiler
+    slows Python down, so the times are an upper bound; their ranking is the point."""
+    import cProfile
+
+    def profiled(new: int) -> dict[str, tuple[float, int]]:
+        prof = cProfile.Profile()
+        service.scheduler.call_soon(prof.enable).result(timeout=60)
+        try:
+            run(args.decode_prompt, batch, new)
+        finally:
+            service.scheduler.call_soon(prof.disable).result(timeout=60)
+        return python_times(prof)
+
+    first, whole = profiled(1), profiled(1 + args.decode_steps)
+    per_step = {k: ((us - first.get(k, (0.0, 0))[0]) / args.decode_steps,
+                    (calls - first.get(k, (0.0, 0))[1]) / args.decode_steps)
+                for k, (us, calls) in whole.items()}
+    ranked = sorted(per_step.items(), key=lambda kv: -kv[1][0])[:args.python_top]
+    return [{"function": k[:100], "us": round(us, 1), "calls": round(calls, 2)}
+            for k, (us, calls) in ranked if us > 0]
+
+
 def run_mode(args: argparse.Namespace, deterministic: bool) -> list[dict[str, Any]]:
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -135,9 +174,12 @@ def run_mode(args: argparse.Namespace, deterministic: bool) -> list[dict[str, An
                             (calls - first.get(k, (0.0, 0))[1]) / steps)
                         for k, (us, calls) in whole.items()}
             per_step = {k: v for k, v in per_step.items() if v[0] > 0}
-            rows.append({"mode": mode, "kind": "decode step", "tokens": args.decode_prompt,
-                         "batch": batch, "itl_ms": round((wall_n - wall_1) / steps * 1e3, 3),
-                         **summary_row(per_step, args.top)})
+            row = {"mode": mode, "kind": "decode step", "tokens": args.decode_prompt,
+                   "batch": batch, "itl_ms": round((wall_n - wall_1) / steps * 1e3, 3),
+                   **summary_row(per_step, args.top)}
+            if args.python_top:
+                row["python_top"] = python_per_step(args, service, run, batch)
+            rows.append(row)
     finally:
         service.close()
         del lm
@@ -162,6 +204,8 @@ def main() -> None:
                    help="decode steps profiled at these batch sizes ('' for none)")
     p.add_argument("--decode-prompt", type=int, default=2048, help="prompt tokens of each")
     p.add_argument("--decode-steps", type=int, default=32, help="tokens the profiled run adds")
+    p.add_argument("--python-top", type=int, default=15,
+                   help="the engine thread's Python functions listed a decode step (0: none)")
     args = p.parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",") if x]
     args.decode_batches = [int(x) for x in args.decode_batches.split(",") if x]
@@ -179,6 +223,11 @@ def main() -> None:
               "top kernels")
         print(format_table(["ms", "calls", "kernel"],
                            [[t["ms"], t["calls"], t["kernel"]] for t in r["top"]]))
+        if r.get("python_top"):
+            print(f"\n{r['mode']}, decode step, batch {r.get('batch', 1)}: the engine "
+                  "thread's Python a step (cProfile, own time)")
+            print(format_table(["us", "calls", "function"],
+                               [[t["us"], t["calls"], t["function"]] for t in r["python_top"]]))
     path = write_report(Path(args.out) / "prefill_profile.json", "prefill_profile",
                         {"args": {k: v for k, v in vars(args).items()}, "rows": rows})
     print(f"\nwrote {path}")
