@@ -192,7 +192,7 @@ def test_tiles_and_chunks_that_do_not_fit_are_refused():
         paged_triton.paged_attention(query, k, v, table, tiles, SCALE, 40)
     with pytest.raises(ValueError, match="multiple"):
         paged_triton.paged_attention(query, k, v, table, tiles[:, :], SCALE, 32, chunk=100)
-    with pytest.raises(ValueError, match="whole blocks"):
+    with pytest.raises(ValueError, match="multiple of 128"):
         paged_triton.paged_attention(query, k, v, table, tiles[:, :], SCALE, 32, chunk=192,
                                      block_n=128)
 

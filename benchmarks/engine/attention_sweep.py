@@ -20,7 +20,6 @@ numerics contract in ``kvtier.engine.paged_tiles``); this script only times it. 
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +42,7 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
+    from kernel_timing import causal_tflops, device_ms
     from kvtier.engine import paged_triton
     from kvtier.engine.presets import PRESETS
     from kvtier.machine import format_table, write_report
@@ -66,22 +66,10 @@ def main() -> None:
     cuda = device.type == "cuda"
 
     def timed(fn: Any) -> float:
-        fn()
-        if not cuda:
-            started = time.perf_counter()
-            fn()
-            return (time.perf_counter() - started) * 1e3
-        torch.cuda.synchronize()
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        for _ in range(args.iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return begin.elapsed_time(end) / args.iters
+        return device_ms(fn, args.iters, cuda)
 
     def tflops(length: int, ms: float) -> float:
-        return round(4 * heads * dim * length * (length + 1) / 2 / (ms * 1e-3) / 1e12, 1)
+        return causal_tflops(heads, dim, length, ms)
 
     def one_length(length: int) -> list[dict[str, Any]]:
         pages = -(-length // args.page)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from typing import Any
 
+from kernel_timing import causal_tflops, device_ms
 from vllm_gpu_case import log
 
 
@@ -49,23 +49,10 @@ def kernel_case(args: argparse.Namespace) -> dict[str, Any]:
                                             paged_triton.tokens_per_tile(n_rep), out)
 
     def timed(fn: Any, iters: int) -> float:
-        fn()
-        if device.type != "cuda":   # a dry run of the script on the CPU
-            started = time.perf_counter()
-            fn()
-            return (time.perf_counter() - started) * 1e3
-        torch.cuda.synchronize()
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return begin.elapsed_time(end) / iters
+        return device_ms(fn, iters, device.type == "cuda")   # the CPU: a dry run
 
-    def causal_tflops(length: int, ms: float) -> float:
-        pairs = length * (length + 1) // 2          # (query, key) pairs a causal prompt has
-        return round(4 * heads * dim * pairs / (ms * 1e-3) / 1e12, 1)
+    def tflops(length: int, ms: float) -> float:
+        return causal_tflops(heads, dim, length, ms)
 
     def sdpa_time(q4: Any, k4: Any, v4: Any, iters: int) -> tuple[Any, float, str]:
         def call() -> Any:
@@ -94,8 +81,8 @@ def kernel_case(args: argparse.Namespace) -> dict[str, Any]:
             v4.repeat_interleave(n_rep, 1).contiguous(), iters)
         err = (out.float() - want[0].transpose(0, 1).float()).abs().max().item()
         row = {"tokens": length, "page_size": page, "paged_ms": round(paged_ms, 3),
-               "paged_tflops": causal_tflops(length, paged_ms), "sdpa_backend": backend,
-               "sdpa_ms": round(sdpa_ms, 3), "sdpa_tflops": causal_tflops(length, sdpa_ms),
+               "paged_tflops": tflops(length, paged_ms), "sdpa_backend": backend,
+               "sdpa_ms": round(sdpa_ms, 3), "sdpa_tflops": tflops(length, sdpa_ms),
                "paged_over_sdpa_time": round(paged_ms / sdpa_ms, 3),
                "max_abs_diff_vs_sdpa": err}
         if length >= 16384 and page == 64:   # the engine's 8192-token prefill steps
@@ -107,7 +94,7 @@ def kernel_case(args: argparse.Namespace) -> dict[str, Any]:
                     paged(q[s:s + step], k, v, table, s, out[s:s + step], t)
             chunk_ms = timed(stepped, max(3, iters // 2))
             row["in_8192_steps_ms"] = round(chunk_ms, 3)
-            row["in_8192_steps_tflops"] = causal_tflops(length, chunk_ms)
+            row["in_8192_steps_tflops"] = tflops(length, chunk_ms)
         return row
 
     rows: list[dict[str, Any]] = []

@@ -82,6 +82,14 @@ def summary_row(times: dict[str, tuple[float, float]], top: int) -> dict[str, An
                     for k, v in ranked]}
 
 
+def step_difference(whole: dict[str, tuple[float, int]], first: dict[str, tuple[float, int]],
+                    steps: int) -> dict[str, tuple[float, float]]:
+    """One decode step's (time, calls) per name: the run with ``steps`` more tokens less the
+    run with none, over ``steps``."""
+    return {k: ((us - first.get(k, (0.0, 0))[0]) / steps,
+                (calls - first.get(k, (0.0, 0))[1]) / steps) for k, (us, calls) in whole.items()}
+
+
 def python_times(prof: Any) -> dict[str, tuple[float, int]]:
     """Each Python function's own time (microseconds) and calls in a ``cProfile`` run."""
     import pstats
@@ -110,10 +118,7 @@ def python_per_step(args: argparse.Namespace, service: Any, run: Any,
             service.scheduler.call_soon(prof.disable).result(timeout=60)
         return python_times(prof)
 
-    first, whole = profiled(1), profiled(1 + args.decode_steps)
-    per_step = {k: ((us - first.get(k, (0.0, 0))[0]) / args.decode_steps,
-                    (calls - first.get(k, (0.0, 0))[1]) / args.decode_steps)
-                for k, (us, calls) in whole.items()}
+    per_step = step_difference(profiled(1 + args.decode_steps), profiled(1), args.decode_steps)
     ranked = sorted(per_step.items(), key=lambda kv: -kv[1][0])[:args.python_top]
     return [{"function": k[:100], "us": round(us, 1), "calls": round(calls, 2)}
             for k, (us, calls) in ranked if us > 0]
@@ -169,11 +174,8 @@ def run_mode(args: argparse.Namespace, deterministic: bool) -> list[dict[str, An
             run(args.decode_prompt, batch, 1 + steps)            # warm-up: this batch's graphs
             wall_1, first = profiled(args.decode_prompt, batch, 1)
             wall_n, whole = profiled(args.decode_prompt, batch, 1 + steps)
-            # one decode step: the run with ``steps`` more tokens less the run with none
-            per_step = {k: ((us - first.get(k, (0.0, 0))[0]) / steps,
-                            (calls - first.get(k, (0.0, 0))[1]) / steps)
-                        for k, (us, calls) in whole.items()}
-            per_step = {k: v for k, v in per_step.items() if v[0] > 0}
+            per_step = {k: v for k, v in step_difference(whole, first, steps).items()
+                        if v[0] > 0}
             row = {"mode": mode, "kind": "decode step", "tokens": args.decode_prompt,
                    "batch": batch, "itl_ms": round((wall_n - wall_1) / steps * 1e3, 3),
                    **summary_row(per_step, args.top)}

@@ -131,12 +131,12 @@ def precision_for(dtype: object) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def check_chunk(chunk: int) -> None:
-    """Refuse a chunk that is not a positive multiple of ``BLOCK_N``."""
-    if chunk <= 0 or chunk % BLOCK_N:
-        raise ValueError(f"a chunk must be a positive multiple of {BLOCK_N} keys, got {chunk}")
+def check_chunk(chunk: int, block_n: int = BLOCK_N) -> None:
+    """Refuse a chunk that is not a positive multiple of ``block_n`` keys."""
+    if chunk <= 0 or chunk % block_n:
+        raise ValueError(f"a chunk must be a positive multiple of {block_n} keys, got {chunk}")
 
 
-def page_run(page_size: int) -> bool:
-    """Whether a page holds whole key blocks (one table lookup per block)."""
-    return page_size % BLOCK_N == 0
+def page_run(page_size: int, block_n: int = BLOCK_N) -> bool:
+    """Whether a page holds whole key blocks of ``block_n`` (one table lookup per block)."""
+    return page_size % block_n == 0

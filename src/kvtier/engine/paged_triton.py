@@ -47,6 +47,7 @@ from kvtier.engine.paged_tiles import (
     check_chunk,
     load_block,
     merge_chunk,
+    page_run,
     precision_for,
 )
 from kvtier.engine.rounding import INTERPRET
@@ -219,7 +220,7 @@ def paged_attention(query: torch.Tensor, key_pages: torch.Tensor, value_pages: t
     if not key_pages.is_contiguous() or not value_pages.is_contiguous() or query.stride(-1) != 1:
         raise ValueError("pages must be contiguous and queries contiguous in their last dim")
     n_rep = heads // kv_heads
-    check_chunk(chunk)
+    check_chunk(chunk, block_n)
     if n_rep > MAX_ROWS or longest > tokens_per_tile(n_rep):
         raise ValueError(f"a query tile holds at most {MAX_ROWS} rows, got {longest} x {n_rep}")
     if out is None:
@@ -227,11 +228,9 @@ def paged_attention(query: torch.Tensor, key_pages: torch.Tensor, value_pages: t
     args = (query, key_pages, value_pages, out, table, blocks,
             query.stride(0), query.stride(1), key_pages.stride(1), key_pages.stride(2),
             table.shape[1], n_rep, key_pages.shape[1], scaling * 1.4426950408889634)
-    if chunk % block_n:
-        raise ValueError(f"a chunk of {chunk} keys is not whole blocks of {block_n}")
     constants = dict(HEAD_DIM=dim, BLOCK_M=MAX_ROWS, BLOCK_N=block_n,
                      CHUNK=chunk, PER_CHUNK=chunk // block_n,
-                     PAGE_RUN=key_pages.shape[1] % block_n == 0,
+                     PAGE_RUN=page_run(key_pages.shape[1], block_n),
                      PRECISION=precision_for(query.dtype))
     grid = (blocks.shape[0], kv_heads)
     if launch is not None:
