@@ -117,6 +117,9 @@ def main() -> None:
     p.add_argument("--kvtier-extra-gpu", action="store_true",
                    help="kvtier's staging pages on top of the GPU KV cache, not out of it")
     p.add_argument("--vllm-args", default="", help="more flags for every server")
+    p.add_argument("--profile-loop", action="store_true",
+                   help="profile every server's engine steps (loop_profile/sitecustomize.py) "
+                        "into OUT/loop_profile_<config>/ (slows Python: compare shares)")
     p.add_argument("--budget-s", type=float, default=510.0, help="the whole run")
     p.add_argument("--config-timeout-s", type=float, default=300.0,
                    help="one server: start, warm-up and workloads")

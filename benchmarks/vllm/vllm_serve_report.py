@@ -13,7 +13,7 @@ from vllm_serve_server import CONFIGS
 
 #: kvtier's counters of saves that did not store their prompt (``vllm:kvtier_*`` on /metrics).
 LOST_SAVES = ("saves_dropped_queue_full", "saves_refused_no_staging", "saves_refused_evicted",
-              "saves_incomplete", "saves_failed")
+              "saves_refused_host_moved", "saves_incomplete", "saves_failed")
 METRICS = (("ttft_ms_p50", "TTFT p50"), ("ttft_ms_p99", "TTFT p99"), ("itl_ms_p50", "ITL p50"),
            ("requests_per_s", "req/s"), ("output_tokens_per_s", "out tok/s"),
            ("cached_tokens_share", "cached"))

@@ -68,16 +68,22 @@ def server_command(args: argparse.Namespace, config: str, port: int,
 class Server:
     """One ``vllm serve`` process in its own process group, its output in a log file."""
 
-    def __init__(self, cmd: list[str], port: int, log_path: Path) -> None:
+    def __init__(self, cmd: list[str], port: int, log_path: Path,
+                 profile_dir: Path | None = None) -> None:
         self.cmd, self.url, self.log_path = cmd, f"http://127.0.0.1:{port}", log_path
+        self.profile_dir = profile_dir        # --profile-loop: the engine steps' profiles
         self.proc: subprocess.Popen[bytes] | None = None
         self.lock = threading.Lock()             # the watchdog's stop and the caller's
 
     def start(self) -> None:
         env = dict(os.environ)
         src = str(REPO / "src")                # this tree's kvtier, inside the server too
-        env["PYTHONPATH"] = os.pathsep.join([src, *[p for p in env.get("PYTHONPATH", "").split(
-            os.pathsep) if p and p != src]])
+        first = [src]
+        if self.profile_dir is not None:     # loop_profile/sitecustomize.py, in every process
+            first.insert(0, str(Path(__file__).resolve().parent / "loop_profile"))
+            env["KVTIER_LOOP_PROFILE"] = str(self.profile_dir)
+        env["PYTHONPATH"] = os.pathsep.join([*first, *[p for p in env.get(
+            "PYTHONPATH", "").split(os.pathsep) if p and p not in first]])
         with open(self.log_path, "wb") as out:
             out.write((shlex.join(self.cmd) + "\n").encode())
             out.flush()
@@ -182,7 +188,8 @@ def run_config(args: argparse.Namespace, config: str, workloads: dict[str, list[
     from kvtier.bench.serve_load import run_load, summarize
 
     port = free_port()
-    server = Server(server_command(args, config, port, plan), port, out / f"server_{config}.log")
+    server = Server(server_command(args, config, port, plan), port, out / f"server_{config}.log",
+                    out / f"loop_profile_{config}" if args.profile_loop else None)
     res: dict[str, Any] = {"config": config, "ok": False, "port": port, "workloads": {}}
     # Past the deadline the server is killed: requests in flight fail and the run goes on.
     watchdog = threading.Timer(max(1.0, deadline - time.monotonic()), server.stop)

@@ -235,6 +235,23 @@ class TieredCache:
         request's walk of the index instead of walking it again."""
         self.controller.commit(tokens, device_page_ids, salt, loaded)
 
+    def commit_tail(self, tokens: Tokens, device_page_ids: Sequence[int], first: int,
+                    salt: bytes | str | None = None) -> int:
+        """Store full pages ``[first, ...)`` of ``tokens`` on the host tier only, which must
+        hold pages ``[0, first)`` (``device_page_ids[i]``, from ``allocate``, holds page
+        ``first + i``; the cache owns them from now on). Returns the pages stored; 0 when the
+        host tier lost the head meanwhile (then nothing is stored). Needs ``tail_commits``."""
+        return self.controller.commit_tail(tokens, device_page_ids, first, salt)
+
+    def host_pages(self, hit: Hit) -> int:
+        """Pages of ``hit``'s prompt the host tier holds from the root (this rank)."""
+        return self.controller.host_pages(hit)
+
+    @property
+    def tail_commits(self) -> bool:
+        """Whether ``commit_tail`` applies (a host tier under ``write_through``)."""
+        return self.controller.tail_commits
+
     def hint(self, tokens: Tokens, hint: CacheHint, salt: bytes | str | None = None,
              tenant: str = "") -> HintOutcome:
         """Honour a request's cache hint (``kvtier.hints.CacheHint``) on its committed prefix:

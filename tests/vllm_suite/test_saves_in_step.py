@@ -205,6 +205,49 @@ def test_a_save_whose_unpinned_head_is_evicted_for_its_tail_stores_the_whole_pro
 
 
 
+def test_a_save_whose_head_is_on_host_only_copies_its_new_pages_straight_to_host(scheduler):
+    """A request finishing (or a prompt extending one) whose 40-page head kvtier holds on host
+    but no longer on its device tier: only the 20 new pages are copied, and they go to host
+    (``commit_tail``), not the head again through kvtier's device tier. The stored pages hold
+    vLLM's rows."""
+    import torch
+    from scheduler_harness import fill_kvtier
+
+    from kvtier.integrations.vllm.scheduler import KvtierConnectorMetadata, SaveSpec
+
+    runtime = scheduler.connector.runtime
+    cache, page = runtime.cache, runtime.page_size
+    worker = make_worker(runtime, copy_in_step=True)
+    tokens = prompt_ids(60 * page, 1000)
+    fill_kvtier(runtime, tokens[: 40 * page])
+    with runtime.lock:
+        cache.clear_tier("device")
+    block_ids = tuple(range(1, 60 * page // BLOCK + 1))
+    worker.wait_for_save(KvtierConnectorMetadata(saves=[SaveSpec("long", tuple(tokens), None,
+                                                                 block_ids)]))
+    assert runtime.counts["saves_to_host_only"] == 1
+    assert runtime.counts["saved_tokens"] == 20 * page
+    with runtime.lock:
+        assert cache.drain(5.0)
+        hit = cache.match(tokens)
+        assert hit.tokens_by_tier == {"device": 0, "host": 60 * page, "disk": 0, "remote": 0}
+        loaded = cache.load(hit)
+    try:
+        pool = cache.device_pool.kv
+        for layer, name in enumerate(runtime.shape.layer_names):
+            for page_no in (40, 59):
+                rows = torch.arange(page_no * page, (page_no + 1) * page)
+                slots = torch.tensor(block_ids)[rows // BLOCK] * BLOCK + rows % BLOCK
+                keys, values = worker.layout.read(worker.kv_caches[name], slots)
+                page_id = loaded.device_page_ids[page_no]
+                assert torch.equal(pool[layer, 0, page_id], keys.to(pool.dtype))
+                assert torch.equal(pool[layer, 1, page_id], values.to(pool.dtype))
+    finally:
+        with runtime.lock:
+            cache.release(loaded)
+    cache.check_integrity()
+
+
 def test_a_save_finds_pages_whose_host_copies_finished_since_the_last_poll(scheduler,
                                                                           monkeypatch):
     """Every staging page is locked by a host copy that has landed but that nothing has polled

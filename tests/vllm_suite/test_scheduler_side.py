@@ -331,6 +331,7 @@ def test_counters_reach_vllms_connector_stats_log_and_prometheus(scheduler):
     by_tier = {k: v for k, v in stats.data.items() if k.startswith("hit_tokens_")}
     assert sum(by_tier.values()) == 96 and stats.data["claimed_tokens"] == 96
     assert stats.data["lookups"] == 1
+    assert stats.data["lookup_us"] > 0                  # the connector's CPU in the loop, too
     assert connector.get_kv_connector_stats() is None  # nothing moved since the last report
     config = scheduler.vllm_config
     logging = KVConnectorLogging(config.kv_transfer_config)   # vLLM's periodic log line

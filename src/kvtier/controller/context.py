@@ -46,6 +46,7 @@ class CacheContext:
     counters: Counter[str] = field(default_factory=Counter)
     rates: RateBook | None = None              # tier read rates, prefill rate
     host_outside: int = 0          # host pages held by jobs and copies, not by the index
+    device_outside: int = 0        # device pages held by host copies (copy_tail), not the index
     recent_keys: OrderedDict[tuple[bytes, bytes], list[PageKey]] = field(
         default_factory=OrderedDict)
 

@@ -129,6 +129,46 @@ class CacheController:
         self.hints.observe(result.taken, time.monotonic())
         self.writer.after_commit(data, key, keys, result.match)
 
+    def commit_tail(self, tokens: Tokens, device_page_ids: Sequence[int], first: int,
+                    salt: bytes | str | None = None) -> int:
+        """Store full pages ``[first, ...)`` of ``tokens`` straight to the host tier, which
+        holds pages ``[0, first)``: ``device_page_ids[i]`` (from ``allocate``) holds page
+        ``first + i``. The pages are not put on the device tier: a save whose head kvtier holds
+        on host only copies its new pages, not the head again. Ownership of every id passes to
+        the cache (freed once copied); returns the pages that went to host (0: the host tier
+        no longer holds the head, or has no room; nothing stored)."""
+        ctx = self.ctx
+        if not self.tail_commits:
+            raise ValueError("commit_tail needs a host tier under write_through")
+        data, key = as_token_bytes(tokens), salt_bytes(salt)
+        full = len(data) // ctx.step
+        ids = [int(i) for i in device_page_ids]
+        if first < 0 or first + len(ids) != full:
+            raise ValueError(f"commit_tail of pages [{first}, {full}) got {len(ids)} page ids")
+        if len(set(ids)) != len(ids) or any(i not in self.engine_pages for i in ids):
+            raise ValueError("commit_tail got device pages not handed out by allocate")
+        self.engine_pages.difference_update(ids)
+        match = ctx.index.match(data, key)
+        keys = ctx.keys(match, full)
+        ctx.count("commit_tail_total")
+        stored = self.writer.copy_tail(data, key, keys, first, ids)
+        ctx.count("commit_tail_pages_total", stored)
+        return stored
+
+    def host_pages(self, hit: Hit) -> int:
+        """Pages of ``hit``'s prompt on the host tier from the root (0 without one)."""
+        ctx = self.ctx
+        if not ctx.has_host:
+            return 0
+        match = (ctx.index.match(hit._data, hit.salt) if hit._match is None
+                 else ctx.index.current(hit._match))
+        return match.depth_of("host")
+
+    @property
+    def tail_commits(self) -> bool:
+        """Whether ``commit_tail`` applies: a host tier written through at every commit."""
+        return self.ctx.has_host and self.writer.policy == "write_through"
+
     def hint(self, tokens: Tokens, hint: CacheHint, salt: bytes | str | None = None,
              tenant: str = "") -> HintOutcome:
         """Apply a request's cache hint to the device path of ``tokens`` (after its commit)."""
@@ -231,7 +271,8 @@ class CacheController:
     def outstanding(self) -> dict[str, int]:
         owners = {id(x): x for x in self.private_owner.values()}.values()
         private = sum(len(loaded._private) for loaded in owners)
-        return {"device": len(self.engine_pages) + private, "host": self.ctx.host_outside}
+        return {"device": len(self.engine_pages) + private + self.ctx.device_outside,
+                "host": self.ctx.host_outside}
 
     def check_integrity(self) -> None:
         ctx = self.ctx

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvtier.controller.backups import Backups
@@ -53,6 +53,8 @@ class HostCopy:
     device_node: Node | None
     host_node: Node | None
     match: IndexMatch   # the walk of the prompt when the copy was submitted
+    #: ``copy_tail``: the device pages outside the index the copy reads, freed once it is over.
+    scratch: list[int] = field(default_factory=list)
 
 
 class HostWriter:
@@ -130,6 +132,48 @@ class HostWriter:
             self.poll()
         return len(host_ids)
 
+    def copy_tail(self, data: bytes, salt: bytes, keys: Sequence[bytes], first: int,
+                  scratch_ids: Sequence[int]) -> int:
+        """Copy pages ``[first, first + len(scratch_ids))`` of a prompt to host from device
+        pages the index does not hold (``scratch_ids[i]`` holds page ``first + i``: a save's
+        staging pages), extending the host tier's prefix; returns the pages submitted. The host
+        tier must hold pages ``[0, first)`` (else nothing is copied: 0); pages it holds already
+        are skipped (and count as submitted). Every scratch id is the writer's from here:
+        freed now if not copied, else once the copy is over (counted in ``device_outside``
+        meanwhile)."""
+        ctx, scratch = self.ctx, list(scratch_ids)
+        match = ctx.index.match(data, salt)
+        lo, hi = match.depth_of("host"), first + len(scratch)
+        if lo >= hi:                      # the host tier holds all of it already
+            ctx.index.free("device", scratch)
+            return len(scratch)
+        host_ids: list[int] = []
+        host_node = None
+        if first <= lo < hi:
+            host_node, match = ctx.lock_on(match, lo, "host")
+            host_ids = self._host_pages(hi - lo)
+        if not host_ids:
+            ctx.unlock(host_node, "host")
+            ctx.index.free("device", scratch)
+            return 0
+        used = scratch[lo - first:lo - first + len(host_ids)]
+        ctx.index.free("device", scratch[:lo - first] + scratch[lo - first + len(host_ids):])
+        match = ctx.index.current(match)  # making room may have evicted host pages
+        if match.depth_of("host") < lo:   # ... even of the prefix (it was not locked yet)
+            ctx.unlock(host_node, "host")
+            ctx.index.free("host", host_ids)
+            ctx.index.free("device", used)
+            return 0
+        assert ctx.copy is not None, "a host copy without a copy engine"
+        ticket = ctx.copy.store(used, host_ids)
+        ctx.host_outside += len(host_ids)
+        ctx.device_outside += len(used)
+        ctx.count("host_copy_pages_total", len(host_ids))
+        self.pending.append(HostCopy(ticket, data, salt, keys, lo, host_ids, None, host_node,
+                                     match, used))
+        self.poll()
+        return lo - first + len(host_ids)
+
     def _host_pages(self, wanted: int) -> list[int]:
         sizes = self.ctx.index.sizes("host")
         n = min(wanted, (sizes.free or 0) + sizes.evictable)
@@ -165,4 +209,7 @@ class HostWriter:
         ctx.count("host_copy_dropped_pages_total", len(result.unused_ids))
         ctx.unlock(record.device_node, "device")
         ctx.unlock(record.host_node, "host")
+        if record.scratch:
+            ctx.device_outside -= len(record.scratch)
+            ctx.index.free("device", record.scratch)
         self.backups.want(record.data, record.salt, record.keys, result.match)

@@ -5,7 +5,10 @@ Owns ``PromptSave`` (one prompt being stored) and ``SaveCopier`` (the tensor wor
 - ``plan(spec)`` takes staging pages for the full kvtier pages kvtier does not hold on its
   device tier yet (pages it holds there are reused; none free, even once ``allocate`` has
   reaped finished host copies: the save is refused, counted and logged at the 1st, 2nd, 4th,
-  ... refusal), and
+  ... refusal); when the host tier holds more of the prompt than the device tier (a finished
+  request whose prompt was stored at its prefill and has left kvtier's device tier since), only
+  for the pages past the host's, which then go to host alone (``TieredCache.commit_tail``,
+  counted ``saves_to_host_only``) instead of the whole prompt through the device tier; and
   skips the prompt outright when kvtier already holds every full page on some tier (no copy,
   no commit: counted ``saves_skipped_held``);
 - ``copy_layer(save, layer)`` gathers that layer's rows by slot from vLLM's KV tensor into the
@@ -16,7 +19,8 @@ Owns ``PromptSave`` (one prompt being stored) and ``SaveCopier`` (the tensor wor
   scatter (of whole blocks when the page size is a multiple of the block size, else of token
   rows);
 - ``commit(save)`` hands the pages to ``TieredCache.commit`` (write policy: host copy, store
-  backups on kvtier's IO threads; the index's moves become KV events, ``events``);
+  backups on kvtier's IO threads; the index's moves become KV events, ``events``), or a
+  host-only save's to ``TieredCache.commit_tail``;
   ``abandon(save)`` frees them.
 
 Which thread calls what is the caller's business: on the CPU the background saver thread
@@ -50,9 +54,14 @@ class PromptSave:
 
     spec: SaveSpec
     rows: torch.Tensor                 # rows in kvtier's staging pool to fill
-    slots: torch.Tensor                # the same tokens' slots in vLLM's blocks
-    page_ids: list[int]                # every full page, in prefix order
+    slots: torch.Tensor                # the same tokens' slots in vLLM's blocks (both host
+                                       # tensors until the row path uploads them)
+    page_ids: list[int]                # every full page from ``first``, in prefix order
     fresh: list[int]                   # the staging pages this save allocated
+    first: int = 0                     # the first page copied (the head before it is held)
+    #: The head is held on host only: the copied pages go to host (``TieredCache.commit_tail``),
+    #: not to kvtier's device tier, so the head is not copied again.
+    tail: bool = False
     #: With kvtier pages a whole number of vLLM's blocks: the blocks and the sub-pages
     #: (``blocks.block_view``) they fill, so a layer moves as whole blocks
     #: (``rows``/``slots`` serve any other page size).
@@ -81,6 +90,9 @@ class SaveCopier:
         self.kv_caches = [kv_caches[name] for name in names] if kv_caches is not None else []
         self.layout = layout
         self.blocks = blocks            # whole-block kernel copies, where they apply
+        #: A save whose head kvtier holds on host but not on its device tier copies only its
+        #: new pages (``commit_tail``); not where the copies run in rank processes.
+        self.tail_saves = kv_caches is not None and runtime.cache.tail_commits
 
     @property
     def num_layers(self) -> int:
@@ -103,33 +115,42 @@ class SaveCopier:
         full = len(spec.tokens) // page
         with rt.lock:
             hit = rt.cache.match(spec.tokens, spec.salt)
-            if hit.tokens >= full * page:
+            on_host = rt.cache.host_pages(hit) if self.tail_saves else 0
+            if hit.tokens >= full * page or on_host >= full:
                 rt.counts["saves_skipped_held"] += 1
                 self._release(handles)
                 return None
             on_device = hit.tokens_by_tier.get("device", 0) // page
-            found = self._staging_pages(spec, full, on_device)
+            if on_host > on_device:     # only the new pages, to host
+                found = self._tail_pages(full - on_host)
+                tail, first = True, on_host
+            else:
+                found = self._staging_pages(spec, full, on_device)
+                tail, first = False, len(found[0]) if found is not None else 0
             if found is None:
                 rt.counts["saves_refused_no_staging"] += 1
-                self._warn_refused(full - on_device)
+                self._warn_refused(full - max(on_device, on_host))
                 self._release(handles)
                 return None
             held, fresh = found
-        tokens = torch.arange(len(held) * page, full * page)
-        ids = torch.tensor(held + fresh, dtype=torch.long)
-        rows = ids[tokens // page] * page + tokens % page
+        tokens = torch.arange(first * page, full * page)
+        rows = torch.tensor(fresh, dtype=torch.long)[tokens // page - first] * page + tokens % page
         block = rt.shape.block_size
         table = torch.tensor(spec.block_ids, dtype=torch.long)
         slots = table[tokens // block] * block + tokens % block
-        device = rt.cache.device_pool.kv.device
-        if device.type == "cuda":       # uploaded once, not at every layer (a host wait each)
-            rows, slots = rows.to(device, non_blocking=True), slots.to(device, non_blocking=True)
-        save = PromptSave(spec, rows, slots, held + fresh, fresh, handles=handles)
+        save = PromptSave(spec, rows, slots, held + fresh, fresh, first, tail, handles=handles)
         if page % block == 0:           # whole blocks into sub-pages (``block_view``)
             per_page = page // block
-            save.blocks = table[len(held) * per_page:full * per_page]
+            save.blocks = table[first * per_page:full * per_page]
             save.pages = sub_pages(torch.tensor(fresh, dtype=torch.long), page, block)
         return save
+
+    def _tail_pages(self, wanted: int) -> tuple[list[int], list[int]] | None:
+        """Staging pages for a tail save's ``wanted`` new pages. Runs under the runtime's lock."""
+        try:
+            return [], self.runtime.cache.allocate(wanted)
+        except (KvtierError, MemoryError):
+            return None
 
     def _warn_refused(self, wanted: int) -> None:
         """Say so when a save is refused for want of staging pages: the 1st, 2nd, 4th, 8th, ...
@@ -188,6 +209,9 @@ class SaveCopier:
             pool[layer, 0].index_copy_(0, pages, keys.to(pool.dtype))
             pool[layer, 1].index_copy_(0, pages, values.to(pool.dtype))
         else:
+            if save.rows.device != pool.device:     # uploaded once, at the first layer
+                save.rows = save.rows.to(pool.device, non_blocking=True)
+                save.slots = save.slots.to(kv.device, non_blocking=True)
             keys, values = self.layout.read(kv, save.slots)
             pool[layer, 0].flatten(0, 1)[save.rows] = keys
             pool[layer, 1].flatten(0, 1)[save.rows] = values
@@ -213,12 +237,20 @@ class SaveCopier:
                 rt.counts["saves_incomplete"] += 1
                 self._free(save)
                 return
-            try:
-                rt.cache.commit(list(save.spec.tokens), save.page_ids, save.spec.salt)
-            except ValueError:          # a reused staging page was evicted under the save
-                rt.counts["saves_refused_evicted"] += 1
-                self._free(save)
-                return
+            if save.tail:
+                if not rt.cache.commit_tail(list(save.spec.tokens), save.fresh, save.first,
+                                            save.spec.salt):
+                    rt.counts["saves_refused_host_moved"] += 1    # the cache freed the pages
+                    self._release_handles(save)
+                    return
+                rt.counts["saves_to_host_only"] += 1
+            else:
+                try:
+                    rt.cache.commit(list(save.spec.tokens), save.page_ids, save.spec.salt)
+                except ValueError:      # a reused staging page was evicted under the save
+                    rt.counts["saves_refused_evicted"] += 1
+                    self._free(save)
+                    return
             rt.counts["saved_tokens"] += len(save.rows)
             self._release_handles(save)
             rt.cache.poll()

@@ -45,8 +45,17 @@ EXPORTED: dict[str, str] = {
     "saves_dropped_queue_full": "Prompt saves dropped: the save queue was full.",
     "saves_refused_no_staging": "Prompt saves refused: no free staging page.",
     "saves_refused_evicted": "Prompt saves refused: a reused staging page was evicted.",
+    "saves_to_host_only": "Prompt saves of only the pages past a head held on host, to host.",
+    "saves_refused_host_moved": "Prompt saves to host refused: the host tier lost their head.",
     "saves_incomplete": "Prompt saves abandoned with layers not copied.",
     "saves_failed": "Prompt saves that raised (logged).",
+    # The connector's CPU time inside vLLM's engine loop (microseconds): what it adds to a step.
+    "lookup_us": "Scheduler: time looking prompts up (get_num_new_matched_tokens), us.",
+    "meta_build_us": "Scheduler: time building each step's connector metadata, us.",
+    "worker_hooks_us": "Model runner: time in the connector's step hooks (loads, saves), us.",
+    "save_plan_cpu_us": "Model runner: CPU time planning saves (index match, staging pages), us.",
+    "save_copy_cpu_us": "Model runner: CPU time launching saves' layer copies, us.",
+    "save_commit_cpu_us": "Model runner: CPU time committing saves to the cache, us.",
 }
 
 
