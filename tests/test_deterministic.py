@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-from kvtier.engine import attention, fused, invariant
+from kvtier.engine import attention, fused, fused_proj, invariant
 from kvtier.engine.hf import CausalLM, _cache_arg, load_tokenizer
 from kvtier.engine.prefix import PrefixCache
 from kvtier.engine.presets import resolve_model
@@ -51,6 +51,7 @@ def deterministic_lm(arch: str, dtype: str, seed: int = 0, *, device: str = "cpu
     if device == "cuda":
         attention.install(model)
         fused.install_norms(model)
+        fused_proj.install(model)
     if deterministic:
         invariant.install(model, torch.device(device))
     return CausalLM(f"det-{arch}", model, load_tokenizer(resolve_model("tiny-llama")),
@@ -95,6 +96,10 @@ def _through(cache: PrefixCache, prompt: list[int]) -> tuple[torch.Tensor, Prefi
 def test_hits_are_bit_identical_to_a_recompute(arch, dtype, page_size, tmp_path, monkeypatch):
     monkeypatch.setattr(invariant, "SPLIT_TOKENS", 64)   # several slices in short prompts
     lm = deterministic_lm(arch, dtype)
+    # q/k/v and gate/up run fused, through the invariant GEMM, in the hits and the recompute
+    groups = fused_proj.fused_groups(lm.model)
+    assert len(groups) == 2 * lm.config.num_hidden_layers
+    assert all(group.linear is invariant.linear for group in groups)
     config = make_config(cache__page_size=page_size, engine__dtype=dtype,
                          engine__deterministic="true")
     cache = PrefixCache.build(config, lm)

@@ -30,7 +30,7 @@ Rounding follows transformers step by step (``docs/architecture.md``, "Numerics"
 
 ``SuffixGraphs`` enters ``fused_modules`` while it warms up and captures its steps (and while it
 runs them eagerly without CUDA); ``hf.load_model`` installs all three with the kvtier attention
-on CUDA. Engine thread.
+on CUDA, beside ``fused_proj`` (q/k/v and gate/up as one GEMM each). Engine thread.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from kvtier.engine import fused_proj
 from kvtier.engine.rounding import INTERPRET, round_to
 
 #: Elements a program of ``silu_mul``.
@@ -176,7 +177,8 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for same-shape ``[..., width]`` tensors, as one kernel, rounded as
-    torch rounds the two ops."""
+    torch rounds the two ops. Rows may have any stride (the two halves of the fused gate/up
+    GEMM's result are read in place); only a last dimension that is not contiguous is copied."""
     if gate.shape != up.shape:
         raise ValueError(f"silu_mul: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
     g, u = _rows(gate), _rows(up)
@@ -200,7 +202,8 @@ def _is_silu_mlp(module: Any) -> bool:
 
 def install_mlps(model: Any) -> int:
     """From now on every gated SiLU MLP of ``model`` (``down(silu(gate(x)) * up(x))``, as Llama,
-    Qwen2 and Mistral have) runs ``silu_mul`` between its projections; returns how many."""
+    Qwen2 and Mistral have) runs ``silu_mul`` between its projections; returns how many. Gate
+    and up come from one GEMM where ``fused_proj.install`` fused them (before or after this)."""
     mlps = [m for m in model.modules() if _is_silu_mlp(m)]
     for mlp in mlps:
         mlp.forward = _mlp_forward(mlp)
@@ -209,7 +212,10 @@ def install_mlps(model: Any) -> int:
 
 def _mlp_forward(module: Any) -> Any:
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return module.down_proj(silu_mul(module.gate_proj(x), module.up_proj(x)))
+        # one GEMM for both where they are fused (fused_proj): gate and up are then the two
+        # halves of its result, rows with the fused width as their stride
+        gate, up = fused_proj.projections((module.gate_proj, module.up_proj), x)
+        return module.down_proj(silu_mul(gate, up))
     return forward
 
 

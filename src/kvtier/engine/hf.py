@@ -125,10 +125,11 @@ def load_model(model: str, *, device: str = "auto", dtype: str = "auto", seed: i
     """Build a preset (random weights from ``seed``) or load a model directory onto ``device``.
     ``attention="kvtier"`` installs ``kvtier.engine.attention`` (split-KV kernels for short
     suffixes over a long past on CUDA; transformers' sdpa for everything else) and, on CUDA,
-    the fused RMSNorm, rotary embedding and SiLU·mul for every forward (the captured hit path
-    runs them: the prefill must too).
+    the fused RMSNorm, rotary embedding and SiLU·mul and the fused projections (q/k/v and
+    gate/up as one GEMM each) for every forward (the captured hit path runs them: the prefill
+    must too).
     ``deterministic`` (a bool, or ``engine.deterministic``'s auto/true/false) installs
-    ``kvtier.engine.invariant`` (batch-invariant kernels)."""
+    ``kvtier.engine.invariant`` (batch-invariant kernels, the fused projections among them)."""
     source = resolve_model(model)
     device = resolve_device(device)
     deterministic = resolve_deterministic(deterministic, device)
@@ -138,12 +139,13 @@ def load_model(model: str, *, device: str = "auto", dtype: str = "auto", seed: i
     _check_supported(hf_model.config)
     if attention == "kvtier" and device.startswith("cuda"):
         from kvtier.engine import attention as split_kv
-        from kvtier.engine import fused
+        from kvtier.engine import fused, fused_proj
 
         split_kv.install(hf_model)
         fused.install_norms(hf_model)
         fused.install_rotary(hf_model)
         fused.install_mlps(hf_model)
+        fused_proj.install(hf_model)   # cuBLAS; the deterministic mode's GEMM replaces it below
     if deterministic:
         from kvtier.engine import invariant
 

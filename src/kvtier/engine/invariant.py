@@ -3,8 +3,9 @@
 Owns ``linear`` (``invariant_gemm.matmul``: one tile shape for every row count and one order
 of sums over the inner dimension), ``attention_forward`` (the split-KV kernels in slices of
 ``SPLIT_TOKENS`` keys counted from position 0, merged in order) and ``install``, which puts
-them and the fused RMSNorm into a transformers model for good (the rotary embedding is
-element-wise already, and the graphs' fused one is bit-identical to it).
+them, the fused RMSNorm and the fused projections (``fused_proj``: q/k/v and gate/up as one
+``linear`` each) into a transformers model for good (the rotary embedding is element-wise
+already, and the graphs' fused one is bit-identical to it).
 
 Why: a cache hit computes a prompt's last tokens in a forward of a few rows over a stored past;
 a recompute computes them inside one forward of every row. Library kernels pick their tiling
@@ -26,7 +27,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from kvtier.engine import attention, fused, invariant_gemm
+from kvtier.engine import attention, fused, fused_proj, invariant_gemm
 from kvtier.engine.rounding import INTERPRET
 from kvtier.errors import ConfigError
 
@@ -34,7 +35,10 @@ NAME = "kvtier_deterministic"
 #: Which sums these kernels do; part of the KV namespace of an engine running them (a page they
 #: computed continues bit-identically only under the same sums). Change it with any kernel
 #: change that moves a rounding.
-KERNELS = "invariant-3"   # 3: the MLP's SiLU and multiply as one kernel (fused.silu_mul)
+#: 3: the MLP's SiLU and multiply as one kernel (fused.silu_mul). 4: q/k/v and gate/up as one
+#: GEMM each (fused_proj): the matmul's segments over K follow the weight's shape (N, K), so the
+#: fused weight sums some elements in other segments than the separate ones did.
+KERNELS = "invariant-4"
 #: Keys per attention slice: a multiple of the kernels' 64-key block and of every page size
 #: up to 256, so that slices of a hit's past and of a recompute are the same slices.
 SPLIT_TOKENS = 256
@@ -89,16 +93,19 @@ def check_device(device: torch.device) -> None:
 
 
 def install(model: torch.nn.Module, device: torch.device) -> dict[str, int]:
-    """Put the batch-invariant kernels into ``model`` for good; returns what was replaced."""
+    """Put the batch-invariant kernels into ``model`` for good; returns what was replaced
+    (``linear`` modules, ``norm`` modules, fused ``qkv`` and ``gate_up`` groups). The fused
+    projections run ``linear`` too, also where ``hf.load_model`` fused them before this."""
     check_device(device)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     for module in linears:
         module.forward = _linear_forward(module)
+    groups = fused_proj.install(model, linear)   # after: it puts the groups' forwards back
     norms = fused.install_norms(model)
     if not attention.install(model, NAME, attention_forward):
         raise ConfigError("engine.deterministic", "true",
                           "a transformers version with an attention registry")
-    return {"linear": len(linears), "norm": norms}
+    return {"linear": len(linears), "norm": norms, **groups}
 
 
 def _linear_forward(module: torch.nn.Linear) -> object:
