@@ -151,7 +151,7 @@ class CacheController:
         match = ctx.index.match(data, key)
         keys = ctx.keys(match, full)
         ctx.count("commit_tail_total")
-        stored = self.writer.copy_tail(data, key, keys, first, ids)
+        stored = self.writer.copy_tail(data, key, keys, first, ids, match)
         ctx.count("commit_tail_pages_total", stored)
         return stored
 

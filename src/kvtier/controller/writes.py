@@ -133,16 +133,16 @@ class HostWriter:
         return len(host_ids)
 
     def copy_tail(self, data: bytes, salt: bytes, keys: Sequence[bytes], first: int,
-                  scratch_ids: Sequence[int]) -> int:
+                  scratch_ids: Sequence[int], match: IndexMatch | None = None) -> int:
         """Copy pages ``[first, first + len(scratch_ids))`` of a prompt to host from device
         pages the index does not hold (``scratch_ids[i]`` holds page ``first + i``: a save's
         staging pages), extending the host tier's prefix; returns the pages submitted. The host
         tier must hold pages ``[0, first)`` (else nothing is copied: 0); pages it holds already
         are skipped (and count as submitted). Every scratch id is the writer's from here:
         freed now if not copied, else once the copy is over (counted in ``device_outside``
-        meanwhile)."""
+        meanwhile). ``match``: a walk of the prompt to reuse."""
         ctx, scratch = self.ctx, list(scratch_ids)
-        match = ctx.index.match(data, salt)
+        match = self._walk(data, salt, match)
         lo, hi = match.depth_of("host"), first + len(scratch)
         if lo >= hi:                      # the host tier holds all of it already
             ctx.index.free("device", scratch)
