@@ -47,18 +47,27 @@ def test_a_tail_extends_the_host_prefix_and_serves_the_whole_prompt_byte_exact()
         cache.check_integrity()
 
 
-def test_scratch_pages_come_back_once_the_copy_is_over() -> None:
+def test_scratch_pages_come_back_once_the_copy_is_over(monkeypatch) -> None:
+    from kvtier.transfer.copy_engine import Ticket
+
     with make_cache(device_pages=16) as cache:
         head = prompt(4, seed=3)
         serve(cache, head)
         _host_only(cache, head)
         free_before = cache.index.sizes("device").free
         longer = head + prompt(5, seed=4)
+        landed = {"yes": False}
+        monkeypatch.setattr(Ticket, "is_done", lambda self: landed["yes"])
         stored, _ = _tail(cache, longer, 4)
         assert stored == 5
-        cache.check_integrity()          # pages held by the copy are accounted for meanwhile
-        assert cache.drain()
         cache.poll()
+        # In flight: the copy holds its 5 device pages and 5 host pages, neither in the index.
+        assert cache.index.sizes("device").free == free_before - 5
+        assert cache.match(longer).tokens == 4 * P
+        cache.check_integrity()
+        landed["yes"] = True
+        cache.poll()
+        assert cache.match(longer).tokens == 9 * P
         assert cache.index.sizes("device").free == free_before
         assert cache.match(longer).tokens_by_tier["device"] == 0
         cache.check_integrity()
