@@ -13,6 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "vllm"))
 
 import vllm_serve_plan
+import vllm_serve_report
 import vllm_serve_server
 from kvtier.bench.serve_workloads import shared_prefix
 
@@ -78,3 +79,14 @@ def test_counters_are_summed_over_labels_and_only_the_wanted_ones():
     assert vllm_serve_server.parse_counters(text) == {
         "vllm:prefix_cache_hits": 15.0, "vllm:kvtier_hit_tokens_host": 4096.0,
         "vllm:kv_offload_load_bytes_sum": 1e6}
+
+
+def test_the_connectors_cpu_is_reported_per_request():
+    counters = {"vllm:kvtier_worker_hooks_us": 50_000.0, "vllm:kvtier_save_plan_cpu_us": 10_000.0,
+                "vllm:kvtier_lookup_us": 20_000.0, "vllm:kvtier_saves_to_host_only": 3.0}
+    lines = vllm_serve_report.connector_cpu(
+        {"shared-prefix": {"requests": 10, "vllm_counters": counters},
+         "multi-turn": {"requests": 5, "vllm_counters": {}}}, ["shared-prefix", "multi-turn"])
+    assert lines == ["kvtier's connector CPU in vLLM's loop, shared-prefix, ms per request: step "
+                     "hooks 5.00 (saves: plan 1.00, copy 0.00, commit 0.00), lookups 2.00, step "
+                     "metadata 0.00; saves to host only 3"]

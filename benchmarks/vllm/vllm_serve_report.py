@@ -56,7 +56,30 @@ def summarize_runs(results: list[dict[str, Any]],
             "vllm:external_prefix_cache_hits); " \
             "saves lost: kvtier's saves dropped, refused, incomplete or failed; " \
             "kvtier/X rows: ratios, lower is better for times, higher for rates)"
+    for line in connector_cpu(by.get("kvtier", {}), workloads):
+        text += "\n" + line
     return summary, text
+
+
+def connector_cpu(kvtier: dict[str, Any], workloads: list[str]) -> list[str]:
+    """Per workload, kvtier's connector CPU inside vLLM's engine loop per request (ms), from its
+    ``vllm:kvtier_*_us`` counters: the step hooks (of them the saves' plan, copy and commit) and
+    the scheduler's lookups and step metadata; and how many saves went to host only."""
+    lines = []
+    for name in workloads:
+        w = kvtier.get(name, {})
+        counters, requests = w.get("vllm_counters", {}), w.get("requests")
+        if not requests or "vllm:kvtier_worker_hooks_us" not in counters:
+            continue
+        ms = {k: f"{counters.get(f'vllm:kvtier_{k}', 0) / requests / 1e3:.2f}"
+              for k in ("worker_hooks_us", "save_plan_cpu_us", "save_copy_cpu_us",
+                        "save_commit_cpu_us", "lookup_us", "meta_build_us")}
+        lines.append(f"kvtier's connector CPU in vLLM's loop, {name}, ms per request: step hooks "
+                     f"{ms['worker_hooks_us']} (saves: plan {ms['save_plan_cpu_us']}, copy "
+                     f"{ms['save_copy_cpu_us']}, commit {ms['save_commit_cpu_us']}), lookups "
+                     f"{ms['lookup_us']}, step metadata {ms['meta_build_us']}; saves to host "
+                     f"only {int(counters.get('vllm:kvtier_saves_to_host_only', 0))}")
+    return lines
 
 
 def _sources(counters: dict[str, float], prompt_tokens: Any) -> list[float | None]:
