@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import cProfile
 import importlib.abc
+import importlib.util
 import io
 import os
 import pstats
@@ -107,7 +108,5 @@ def _install(module) -> None:
 
 
 if _FOLDER:
-    import importlib.util
-
     os.makedirs(_FOLDER, exist_ok=True)
     sys.meta_path.insert(0, _Hook())

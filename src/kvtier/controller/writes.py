@@ -147,23 +147,18 @@ class HostWriter:
         if lo >= hi:                      # the host tier holds all of it already
             ctx.index.free("device", scratch)
             return len(scratch)
-        host_ids: list[int] = []
-        host_node = None
-        if first <= lo < hi:
-            host_node, match = ctx.lock_on(match, lo, "host")
-            host_ids = self._host_pages(hi - lo)
+        if lo < first:                    # the head left the host tier
+            ctx.index.free("device", scratch)
+            return 0
+        host_node, match = ctx.lock_on(match, lo, "host")     # the head stays while copying
+        host_ids = self._host_pages(hi - lo)
         if not host_ids:
             ctx.unlock(host_node, "host")
             ctx.index.free("device", scratch)
             return 0
         used = scratch[lo - first:lo - first + len(host_ids)]
         ctx.index.free("device", scratch[:lo - first] + scratch[lo - first + len(host_ids):])
-        match = ctx.index.current(match)  # making room may have evicted host pages
-        if match.depth_of("host") < lo:   # ... even of the prefix (it was not locked yet)
-            ctx.unlock(host_node, "host")
-            ctx.index.free("host", host_ids)
-            ctx.index.free("device", used)
-            return 0
+        match = ctx.index.current(match)  # making room may have evicted other host pages
         assert ctx.copy is not None, "a host copy without a copy engine"
         ticket = ctx.copy.store(used, host_ids)
         ctx.host_outside += len(host_ids)

@@ -56,7 +56,8 @@ class PromptSave:
     rows: torch.Tensor                 # rows in kvtier's staging pool to fill
     slots: torch.Tensor                # the same tokens' slots in vLLM's blocks (both host
                                        # tensors until the row path uploads them)
-    page_ids: list[int]                # every full page from ``first``, in prefix order
+    page_ids: list[int]                # the pages committed, in prefix order: the device head
+                                       # reused, then ``fresh`` (a tail save: ``fresh`` only)
     fresh: list[int]                   # the staging pages this save allocated
     first: int = 0                     # the first page copied (the head before it is held)
     #: The head is held on host only: the copied pages go to host (``TieredCache.commit_tail``),
@@ -121,18 +122,16 @@ class SaveCopier:
                 self._release(handles)
                 return None
             on_device = hit.tokens_by_tier.get("device", 0) // page
-            if on_host > on_device:     # only the new pages, to host
-                found = self._tail_pages(full - on_host)
-                tail, first = True, on_host
-            else:
-                found = self._staging_pages(spec, full, on_device)
-                tail, first = False, len(found[0]) if found is not None else 0
+            tail = on_host > on_device    # only the new pages, to host
+            found = (self._tail_pages(full - on_host) if tail
+                     else self._staging_pages(spec, full, on_device))
             if found is None:
                 rt.counts["saves_refused_no_staging"] += 1
                 self._warn_refused(full - max(on_device, on_host))
                 self._release(handles)
                 return None
             held, fresh = found
+            first = on_host if tail else len(held)
         tokens = torch.arange(first * page, full * page)
         rows = torch.tensor(fresh, dtype=torch.long)[tokens // page - first] * page + tokens % page
         block = rt.shape.block_size
