@@ -45,10 +45,11 @@ def _generate(service: EngineService, prompts: list[list[int]], new: int) -> lis
 
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2"])
 def test_graph_decode_gives_the_eager_decode_tokens(model):
+    """Eager, from graphs one step at a time, and from graphs queued a step ahead."""
     prompts = [_prompt(n, i) for i, n in enumerate((37, 5, 300, 16, 61))]
     results, stats = {}, {}
-    for name, batch in (("eager", 0), ("graphs", 8)):
-        service = _service_for(model, batch)
+    for name, batch, ahead in (("eager", 0, False), ("graphs", 8, False), ("ahead", 8, True)):
+        service = _service_for(model, batch, ahead)
         try:
             results[name] = _generate(service, prompts, 20)        # batched (buckets 8 .. 1)
             results[name] += _generate(service, prompts[2:3], 20)  # alone (bucket 1)
@@ -56,15 +57,18 @@ def test_graph_decode_gives_the_eager_decode_tokens(model):
         finally:
             service.close()
     assert "decode_graphs" not in stats["eager"]
-    graphs = stats["graphs"]["decode_graphs"]
-    assert graphs["disabled"] is None and graphs["captures"] >= 2 and graphs["served"] > 20
-    assert results["graphs"] == results["eager"]
+    for name in ("graphs", "ahead"):
+        graphs = stats[name]["decode_graphs"]
+        assert graphs["disabled"] is None and graphs["captures"] >= 2 and graphs["served"] > 20
+        assert results[name] == results["eager"], name
+    assert "ahead_steps" not in stats["graphs"] and stats["ahead"]["ahead_rows_taken"] > 20
     assert results["graphs"][2] == results["graphs"][-1]   # alone == batched
 
 
-def _service_for(model: str, graph_batch: int) -> EngineService:
+def _service_for(model: str, graph_batch: int, ahead: bool = True) -> EngineService:
     config = make_config(**{"engine.model": model, "engine.device": "cuda",
                             "engine.dtype": "float32", "engine.decode_graph_batch": graph_batch,
+                            "engine.decode_ahead": str(ahead).lower(),
                             "cache.device_pages": 256, "cache.page_size": 16,
                             "engine.prefill_chunk_tokens": 4096})
     return EngineService.build(config, max_running=8)

@@ -63,21 +63,21 @@ def _service(lm: Any, args: argparse.Namespace, dtype: str, mode: str, page_size
 
 
 class FirstLogits:
-    """Records each request's first-token logits as the engine chooses from them (a wrapper
-    around ``Engine._choose`` on the engine thread), by request id."""
+    """Records each request's first-token logits as the engine's forward returns them (a
+    wrapper around ``Engine._forward`` on the engine thread), by request id."""
 
     def __init__(self, service: EngineService) -> None:
         self.by_id: dict[str, torch.Tensor] = {}
         engine = service.engine
-        choose = engine._choose
+        forward = engine._forward
 
-        def recording(planned: Any, logits: torch.Tensor, done: list[int]) -> list[int]:
-            for i in done:
-                seq = planned[i][0]
-                if seq.generated == 0:
+        def recording(planned: Any) -> torch.Tensor:
+            logits = forward(planned)
+            for i, (seq, row) in enumerate(planned):
+                if seq.generated == 0 and row.end == len(seq.tokens):
                     self.by_id[seq.request.request_id] = logits[i].float().cpu()
-            return choose(planned, logits, done)
-        engine._choose = recording
+            return logits
+        engine._forward = recording
 
 
 Run = tuple[list[int], torch.Tensor]

@@ -68,24 +68,37 @@ class StaticDecode:
                                   device=device)
         self.fill([])   # padding everywhere: what warm-up and capture run on
 
-    def fill(self, rows: Sequence[paged.BatchRow]) -> None:
-        """Write ``rows`` (one new token each, pasts within the width) and padding after them."""
+    def fill(self, rows: Sequence[paged.BatchRow], ids: torch.Tensor | None = None) -> None:
+        """Write ``rows`` (one new token each, pasts within the width) and padding after them.
+
+        On CUDA the host side is built in pinned memory and copied without waiting: a blocking
+        copy from pageable memory would hold the engine thread until the step already queued on
+        the stream is done, which a step launched ahead (``engine.ahead``) must not. ``ids``: the
+        rows' tokens as a device tensor (the step before's choice, not known on the host yet),
+        in place of ``row.tokens``."""
         page, n = self.page_size, len(rows)
-        ids = torch.zeros(self.bucket, dtype=torch.long)
-        positions = torch.zeros(self.bucket, dtype=torch.long)
-        slots = torch.full((self.bucket,), self.scratch_page * page, dtype=torch.long)
-        table = torch.full((self.bucket, self.width), self.scratch_page, dtype=torch.int32)
-        decodes = torch.ones((self.bucket, 3), dtype=torch.int32)
+        pin = self.ids.device.type == "cuda"
+        ids_host = torch.zeros(self.bucket, dtype=torch.long, pin_memory=pin)
+        positions = torch.zeros(self.bucket, dtype=torch.long, pin_memory=pin)
+        slots = torch.full((self.bucket,), self.scratch_page * page, dtype=torch.long,
+                           pin_memory=pin)
+        table = torch.full((self.bucket, self.width), self.scratch_page, dtype=torch.int32,
+                           pin_memory=pin)
+        decodes = torch.ones((self.bucket, 3), dtype=torch.int32, pin_memory=pin)
         decodes[:, 0] = decodes[:, 1] = torch.arange(self.bucket, dtype=torch.int32)
         for i, row in enumerate(rows):
             used = -(-row.end // page)
-            ids[i], positions[i] = row.tokens[0], row.start
+            if ids is None:
+                ids_host[i] = row.tokens[0]
+            positions[i] = row.start
             table[i, :used] = torch.as_tensor(list(row.pages[:used]), dtype=torch.int32)
             slots[i] = row.pages[row.start // page] * page + row.start % page
             decodes[i, 2] = row.end
-        for static, host in ((self.ids[0], ids), (self.positions[0], positions),
+        for static, host in ((self.ids[0], ids_host), (self.positions[0], positions),
                              (self.slots, slots), (self.table, table), (self.decodes, decodes)):
-            static.copy_(host)
+            static.copy_(host, non_blocking=pin)
+        if ids is not None:
+            self.ids[0, :n].copy_(ids)
         self.rows = n
 
     # ---- what the paged attention calls (as on a ``PagedBatch``) ---------------------------
@@ -159,24 +172,36 @@ class DecodeGraphs:
     def run(self, rows: Sequence[paged.BatchRow], pool: torch.Tensor) -> torch.Tensor | None:
         """``[rows, vocab]`` fp32 logits of an all-decode step (its KV written into its pages),
         or None where the step runs eagerly."""
+        logits = self.launch(rows, pool)
+        return None if logits is None else logits.clone()
+
+    @torch.inference_mode()
+    def launch(self, rows: Sequence[paged.BatchRow], pool: torch.Tensor,
+               ids: torch.Tensor | None = None, *, build: bool = True) -> torch.Tensor | None:
+        """Queue the step and return its logits in the graph's own buffer (valid until the next
+        launch of that graph is queued), or None where it runs eagerly. ``ids``: the rows'
+        tokens on the device (``StaticDecode.fill``); ``build=False``: only a graph already
+        captured serves (a step launched while another is in flight captures nothing)."""
         if self.disabled is not None:
             return None
         key = self.key_for(rows, int(pool.shape[3]))
         if key is None:
             return None
         self._bind(pool)
-        entry = self._entries.get(key) or self._build(key, pool)
+        entry = self._entries.get(key)
+        if entry is None and build:
+            entry = self._build(key, pool)
         if entry is None:
             return None
         static, replay = entry
         try:
-            static.fill(rows)
+            static.fill(rows, ids)
             replay()
         except Exception as exc:  # the step reruns eagerly over the same slots
             self._disable("replay_failed", exc)
             return None
         self.served += 1
-        return static.logits[:len(rows)].clone()
+        return static.logits[:len(rows)]
 
     @torch.inference_mode()
     def warm(self, pool: torch.Tensor, keys: int) -> int:

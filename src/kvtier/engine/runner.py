@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from kvtier.engine import paged
+from kvtier.engine.ahead import Chosen, Lookahead
 from kvtier.engine.hf import CausalLM
 from kvtier.engine.prefix import MIN_OBSERVED_PREFILL_TOKENS
 from kvtier.engine.request import FinishEvent, PrefillReport, RequestHandle, TokenEvent
@@ -76,13 +77,14 @@ class Engine:
 
     def __init__(self, lm: CausalLM, pages: Any, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
                  prefix_cache: Any = None, decode_graphs: Any = None,
-                 suffix: SuffixStep | None = None) -> None:
+                 suffix: SuffixStep | None = None, lookahead: Lookahead | None = None) -> None:
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         self.lm, self.pages, self.chunk_tokens = lm, pages, chunk_tokens
         self.prefix_cache = prefix_cache   # observes cold prefill rates for the split
         self.suffix = suffix                 # a lone fresh hit's suffix replays captured graphs
         self.decode_graphs = decode_graphs   # DecodeGraphs: all-decode steps replay a graph
+        self.lookahead = lookahead           # greedy decode steps queued one step ahead
         self.counters = {"steps": 0, "batched_tokens": 0, "preempted": 0,
                          "deferred_for_load": 0}
 
@@ -163,32 +165,96 @@ class Engine:
                     return False
 
     def _run(self, planned: list[tuple[Sequence, paged.BatchRow]], result: StepResult) -> None:
-        rows = [row for _, row in planned]
         started = time.perf_counter()
-        try:
-            logits = self._suffix(planned)
-            if logits is None and self.decode_graphs is not None:
-                logits = self.decode_graphs.run(rows, self.pages.kv)
-            if logits is None:
-                logits = paged.forward_batch(self.lm, rows, self.pages.kv)
-        except Exception as exc:  # the step's sequences fail; the engine keeps serving
-            result.failed += [(seq, exc) for seq, _ in planned]
-            return
+        taken, ahead = self.lookahead.take(planned) if self.lookahead is not None else ({}, None)
+        rest = [i for i in range(len(planned)) if i not in taken]
+        logits = None
+        if rest:
+            try:
+                logits = self._forward([planned[i] for i in rest])
+            except Exception as exc:  # the step's sequences fail; the engine keeps serving
+                result.failed += [(planned[i][0], exc) for i in rest]
+                if not taken:
+                    return
+                planned = [planned[i] for i in sorted(taken)]
+                taken = {j: taken[i] for j, i in enumerate(sorted(taken))}
+                rest = []
         self.counters["steps"] += 1
-        self.counters["batched_tokens"] += sum(len(row.tokens) for row in rows)
+        self.counters["batched_tokens"] += len(taken) + sum(len(planned[i][1].tokens)
+                                                            for i in rest)
         done = [i for i, (seq, row) in enumerate(planned) if row.end == len(seq.tokens)]
-        chosen = self._choose(planned, logits, done)
+        local = {i: j for j, i in enumerate(rest)}        # a rest row's row in ``logits``
+        greedy = [i for i in done if i in local and planned[i][0].sampler.params.greedy]
+        chosen = Chosen.of(logits[[local[i] for i in greedy]]) if greedy else None
+        if self.lookahead is not None:
+            self._go_ahead(planned, done, taken, ahead, greedy, chosen)
+        tokens: dict[int, int] = {}
+        if ahead is not None:
+            got = ahead.chosen.tokens()
+            tokens.update((i, got[k]) for i, k in taken.items())
+        if chosen is not None:
+            tokens.update(zip(greedy, chosen.tokens(), strict=True))
+        for i in done:
+            if i not in tokens:
+                assert logits is not None
+                tokens[i] = planned[i][0].sampler(logits[local[i]])
         for (seq, row) in planned:
             seq.computed = row.end
             seq.kv.ticket = None  # the step's stream has waited for every layer's copy
-        for i, token in zip(done, chosen, strict=True):
+        for i in done:
             seq = planned[i][0]
             try:
-                self._accept(seq, token)
+                self._accept(seq, tokens[i])
             except Exception as exc:
                 result.failed.append((seq, exc))
-        if len(planned) == 1 and done:
+        if len(planned) == 1 and done and not taken:
             self._observe(planned[0][0], time.perf_counter() - started)
+
+    def _forward(self, planned: list[tuple[Sequence, paged.BatchRow]]) -> torch.Tensor:
+        """``[rows, vocab]`` logits of one forward over ``planned`` (queued on the device)."""
+        rows = [row for _, row in planned]
+        logits = self._suffix(planned)
+        if logits is None and self.decode_graphs is not None:
+            logits = self.decode_graphs.run(rows, self.pages.kv)
+        if logits is None:
+            logits = paged.forward_batch(self.lm, rows, self.pages.kv)
+        return logits
+
+    def _go_ahead(self, planned: list[tuple[Sequence, paged.BatchRow]], done: list[int],
+                  taken: dict[int, int], ahead: Any, greedy: list[int],
+                  chosen: Chosen | None) -> None:
+        """Queue the next step now, fed this step's tokens on the device (``ahead``), if every
+        row of this step reached its end and those that go on are greedy and committed."""
+        assert self.lookahead is not None
+        if len(done) != len(planned):
+            return                        # a prefill chunk goes on next step
+        going: list[int] = []
+        for i, (seq, _) in enumerate(planned):
+            request = seq.request
+            if (seq.handle.cancelled or seq.generated + 1 >= request.max_new_tokens
+                    or len(seq.tokens) + 1 >= self.lm.max_positions):
+                continue                  # ends with this step's token
+            if not seq.sampler.params.greedy or not seq.committed:
+                return
+            going.append(i)
+        if not going:
+            return
+        if all(i in taken for i in going):
+            fed, index = ahead.chosen, [taken[i] for i in going]
+        elif chosen is not None and all(i not in taken for i in going):
+            position = {i: j for j, i in enumerate(greedy)}
+            fed, index = chosen, [position[i] for i in going]
+        else:
+            return
+        rows = []
+        try:
+            for i in going:
+                seq, row = planned[i]
+                self.pages.grow(seq.kv, row.end + 1)
+                rows.append((seq, paged.BatchRow(seq.kv.table, row.end, (0,))))
+        except PoolExhausted:
+            return                        # the next step preempts as usual
+        self.lookahead.launch(rows, self.pages.kv, fed, index)
 
     def _suffix(self, planned: list[tuple[Sequence, paged.BatchRow]]) -> torch.Tensor | None:
         """A lone fresh hit's suffix through the captured graphs (``suffix_step``), or None."""
@@ -198,14 +264,6 @@ class Engine:
         if not self.suffix.eligible(row, len(seq.tokens), not seq.committed, self.pages.page_size):
             return None
         return self.suffix.run(row, self.pages.kv)
-
-    def _choose(self, planned: list[tuple[Sequence, Any]], logits: torch.Tensor,
-                done: list[int]) -> list[int]:
-        """Next tokens of the rows that reached their end: one argmax for the greedy ones."""
-        greedy = [i for i in done if planned[i][0].sampler.params.greedy]
-        best = dict(zip(greedy, torch.argmax(logits[greedy], -1).tolist(), strict=True)) \
-            if greedy else {}
-        return [best[i] if i in best else planned[i][0].sampler(logits[i]) for i in done]
 
     def _accept(self, seq: Sequence, token: int) -> None:
         seq.tokens.append(token)
@@ -239,6 +297,7 @@ class Engine:
     def preempt(self, seq: Sequence) -> None:
         """Give back every page of ``seq`` (its computed full pages committed first); it keeps
         its tokens and comes back through ``admit``."""
+        self._settle()
         pages, seq.kv = seq.kv, None
         self.pages.close(pages, seq.tokens[:seq.computed], commit=True)
         seq.computed = 0
@@ -260,6 +319,7 @@ class Engine:
         """Commit the KV this sequence computed, release its pins, tell the submitter."""
         try:
             if seq.kv is not None:
+                self._settle()
                 self.pages.close(seq.kv, seq.tokens[:seq.computed], commit=error is None)
         finally:
             seq.kv = None
@@ -267,10 +327,16 @@ class Engine:
                                          None if error is None else str(error),
                                          None if error is None else type(error).__name__))
 
+    def _settle(self) -> None:
+        """Before a sequence's pages go back: the step queued ahead may still write into them."""
+        if self.lookahead is not None:
+            self.lookahead.settle()
+
     def release(self) -> None:
         """After the engine thread stopped: drop the captured graphs (and their memory pools)
         and give the device page pool back; the engine cannot step again."""
-        self.decode_graphs = self.suffix = None
+        self._settle()
+        self.decode_graphs = self.suffix = self.lookahead = None
         self.pages.device_pool.release()
 
     def stats(self) -> dict[str, Any]:
@@ -278,4 +344,6 @@ class Engine:
                   if self.suffix is not None else {})
         if self.decode_graphs is not None:
             served["decode_graphs"] = self.decode_graphs.stats()
+        if self.lookahead is not None:
+            served.update(self.lookahead.counters)
         return {**self.counters, **served}

@@ -12,6 +12,7 @@ import logging
 from typing import Any
 
 from kvtier.config import KvtierConfig
+from kvtier.engine.ahead import Lookahead
 from kvtier.engine.hf import CausalLM, load_model
 from kvtier.engine.request import GenerationRequest, RequestHandle
 from kvtier.engine.runner import Engine
@@ -30,10 +31,12 @@ class EngineService:
         self.lm = lm
         self.prefix_cache = prefix_cache
         pages = _page_source(config, lm, prefix_cache)
+        graphs = _decode_graphs(config, lm, pages)
         self.engine = Engine(lm, pages, chunk_tokens=config.engine.prefill_chunk_tokens,
-                             prefix_cache=prefix_cache,
-                             decode_graphs=_decode_graphs(config, lm, pages),
-                             suffix=_suffix_step(config, lm, pages, prefix_cache))
+                             prefix_cache=prefix_cache, decode_graphs=graphs,
+                             suffix=_suffix_step(config, lm, pages, prefix_cache),
+                             lookahead=Lookahead(graphs)
+                             if graphs is not None and config.engine.decode_ahead else None)
         try:
             self.kv_events = _kv_events(config, prefix_cache)
         except BaseException:
