@@ -68,6 +68,27 @@ def test_kernels_save_and_load_vllm_blocks_byte_exact(runtime, kind):
     assert runtime.counts["load_errors"] == 0
 
 
+@interpreted
+@pytest.mark.parametrize("kind", ["nhd", "hnd"])
+def test_a_save_in_the_step_copies_every_layer_in_one_launch(runtime, kind, monkeypatch):
+    """The CUDA flow (saves inside ``wait_for_save``) on CPU tensors: the save is one launch
+    of the block kernel over both layers, the load one per layer, and every byte comes back."""
+    from kvtier.transfer import rows
+
+    launched: list[int] = []
+    launch = rows.BoundRowCopy.launch
+    monkeypatch.setattr(rows.BoundRowCopy, "launch", lambda self, plan, ids=None: (
+        launched.append(self.num_layers), launch(self, plan, ids))[1])
+    count = len(OLD) * BLOCK
+    worker, source, target = round_trip(runtime, kind, kind, NUM_BLOCKS, "cpu", _prompt(count),
+                                        OLD, NEW, count - 3, use_kernels=True,
+                                        copy_in_step=True)
+    _check(kind, kind, source, target, count - 3)
+    warm_up = [1, 1]                      # each registration: one block saved and loaded
+    assert launched == warm_up + [LAYERS] + warm_up + [1] * LAYERS
+    assert runtime.counts["saved_tokens"] == count and runtime.counts["load_errors"] == 0
+
+
 @pytest.mark.parametrize("use_kernels", [pytest.param(True, marks=interpreted), False])
 @pytest.mark.parametrize("kind", ["nhd", "hnd"])
 def test_pages_of_two_blocks_save_and_load_whole_blocks_byte_exact(kind, use_kernels):

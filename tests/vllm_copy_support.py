@@ -35,6 +35,8 @@ class Step:
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    whole_loads: bool = False
+    held: list[str] = field(default_factory=list)
 
 
 def make_runtime(layers: int, heads: int, dim: int, dtype: torch.dtype, block: int,
@@ -88,6 +90,7 @@ def round_trip(runtime: ConnectorRuntime, save_kind: str, load_kind: str, num_bl
                new_blocks: tuple[int, ...], load_tokens: int,
                use_kernels: bool, in_flight: Any = None,
                handles: list[Any] | None = None, busy_ms: float = 0.0, hooks: bool = True,
+               copy_in_step: bool | None = None,
                ) -> tuple[WorkerSide, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Save ``tokens`` from random ``save_kind`` tensors at ``old_blocks``, then load the first
     ``load_tokens`` of them from kvtier's host tier into zeroed ``load_kind`` tensors at
@@ -99,9 +102,11 @@ def round_trip(runtime: ConnectorRuntime, save_kind: str, load_kind: str, num_bl
     (CUDA) keeps the device busy that long before the load is staged, as the previous step's
     forward does, so that the load's copy is still on the bus when the worker's copies start.
     ``hooks`` False runs both steps as a full CUDA graph replay does: no per-layer hook, the
-    loads copied whole before the forward (``load_all_layers``), the saves after it."""
+    loads copied whole before the forward (``load_all_layers``), the saves after it.
+    ``copy_in_step`` (default: on CUDA) saves inside ``wait_for_save`` as on CUDA."""
     on_cuda = device.startswith("cuda")
-    worker = WorkerSide(runtime, copy_in_step=on_cuda, use_kernels=use_kernels)
+    in_step = on_cuda if copy_in_step is None else copy_in_step
+    worker = WorkerSide(runtime, copy_in_step=in_step, use_kernels=use_kernels)
     source = vllm_caches(runtime, save_kind, num_blocks, device, seed=7)
     worker.register_kv_caches(source, BACKENDS[save_kind])
     saving = Step(saves=[SaveSpec("w", tuple(tokens), None, old_blocks)])

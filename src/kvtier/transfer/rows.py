@@ -8,10 +8,13 @@ memory) or that keeps a layer's heads apart across blocks. Only the head dimensi
 contiguous; everything else is a stride, read from the engine's own tensor, so one kernel
 covers every layout such an engine may choose, and no staging copy or per-token index is formed.
 
-A work item is ``ROWS`` consecutive rows (``token * heads + head``) of one part of one block
-pair: a ``[ROWS, COLS]`` tile loaded and stored once. Bytes are bytes: the copy runs in the
-widest integer unit (8, 4, 2 or 1 bytes) that divides the row size, every stride and both base
-addresses. The grid is persistent and capped like ``transfer.kernels``' copies. Launched on the
+A copy may span layers: each side's layers come as a table of their byte addresses (an
+engine's layers are separate tensors, anywhere in memory, of one geometry), so one launch moves
+a request's blocks in every layer rather than one launch per layer. A work item is ``ROWS``
+consecutive rows (``token * heads + head``) of one part of one block pair of one layer: a
+``[ROWS, COLS]`` tile loaded and stored once. Bytes are bytes: the copy runs in the widest
+integer unit (8, 4, 2 or 1 bytes) that divides the row size, every stride and every layer's
+base address. The grid is persistent and capped like ``transfer.kernels``' copies. Launched on the
 caller's current stream from the thread that owns the copy (an engine's model-runner thread);
 on the CPU it runs under ``TRITON_INTERPRET=1`` for tests.
 """
@@ -20,6 +23,7 @@ on the CPU it runs under ``TRITON_INTERPRET=1`` for tests.
 # mypy: disable-error-code="untyped-decorator,no-untyped-def"
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,23 +42,44 @@ TILE_BYTES = 16384
 UNITS = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
 
-@triton.jit(do_not_specialize=["n_pairs"])
-def copy_rows_kernel(src, dst, ids, n_pairs, rows_per_part, heads, row_len, chunks,
-                     src_block, src_part, src_token, src_head,
+@triton.jit
+def _layer_base(table, layer, UNIT_BYTES: tl.constexpr):
+    """Layer ``layer``'s first element, from a table of byte addresses, as a pointer to units."""
+    address = tl.load(table + layer)
+    if UNIT_BYTES == 8:
+        base = address.to(tl.pointer_type(tl.int64))
+    elif UNIT_BYTES == 4:
+        base = address.to(tl.pointer_type(tl.int32))
+    elif UNIT_BYTES == 2:
+        base = address.to(tl.pointer_type(tl.int16))
+    else:
+        base = address.to(tl.pointer_type(tl.uint8))
+    return base
+
+
+@triton.jit(do_not_specialize=["n_pairs", "n_layers"])
+def copy_rows_kernel(src_layers, dst_layers, ids, n_pairs, n_layers, rows_per_part, heads,
+                     row_len, chunks, src_block, src_part, src_token, src_head,
                      dst_block, dst_part, dst_token, dst_head,
-                     ROWS: tl.constexpr, COLS: tl.constexpr):
-    """Copy every row of both parts of block ``ids[0, i]`` of ``src`` to block ``ids[1, i]`` of
-    ``dst``, ``i < n_pairs``. Strides and ``row_len`` are in the copy's unit."""
+                     UNIT_BYTES: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """For every layer ``l < n_layers``, copy every row of both parts of block ``ids[0, i]``
+    of the layer at ``src_layers[l]`` to block ``ids[1, i]`` of the layer at
+    ``dst_layers[l]``, ``i < n_pairs``. Strides and ``row_len`` are in the copy's unit."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    n_items = n_pairs * 2 * chunks
+    per_layer = n_pairs * 2 * chunks
+    n_items = per_layer * n_layers
     lanes = tl.arange(0, ROWS)
     cols = tl.arange(0, COLS)
     for item in range(pid, n_items, nprog):
-        chunk = item % chunks
-        rest = item // chunks
+        layer = item // per_layer
+        within = item % per_layer
+        chunk = within % chunks
+        rest = within // chunks
         part = (rest % 2).to(tl.int64)
         pair = rest // 2
+        src = _layer_base(src_layers, layer, UNIT_BYTES)
+        dst = _layer_base(dst_layers, layer, UNIT_BYTES)
         src_id = tl.load(ids + pair).to(tl.int64)
         dst_id = tl.load(ids + n_pairs + pair).to(tl.int64)
         rows = chunk * ROWS + lanes
@@ -147,8 +172,9 @@ def copy_unit(row_bytes: int, byte_strides: tuple[int, ...], pointers: tuple[int
 
 class RowCopy:
     """Copies between one source and one destination geometry (any dtype, same element size),
-    each tensor seen from its first element. ``bind(src, dst)`` checks a tensor pair once and
-    returns a ``BoundRowCopy`` whose launches do nothing but launch."""
+    each layer's tensor seen from its first element. ``bind(src, dst)`` checks a pair of layer
+    lists once and returns a ``BoundRowCopy`` whose launches do nothing but launch: one launch
+    moves the plan's blocks in every layer bound."""
 
     def __init__(self, src_geometry: RowGeometry, dst_geometry: RowGeometry,
                  max_programs: int | None = None, programs_per_sm: int = 1) -> None:
@@ -158,19 +184,30 @@ class RowCopy:
         self.max_programs = max_programs
         self.programs_per_sm = programs_per_sm
 
-    def bind(self, src: torch.Tensor, dst: torch.Tensor) -> BoundRowCopy:
-        """The launch arguments for copies from ``src`` to ``dst`` (checked here, once)."""
-        if src.element_size() != dst.element_size():
-            raise ValueError(f"element sizes differ: {src.dtype} and {dst.dtype}")
-        size = src.element_size()
+    def bind(self, src: torch.Tensor | Sequence[torch.Tensor],
+             dst: torch.Tensor | Sequence[torch.Tensor]) -> BoundRowCopy:
+        """The launch arguments for copies from ``src`` to ``dst``: one tensor each, or a list
+        of layers each, as many on both sides (checked here, once)."""
+        srcs = [src] if isinstance(src, torch.Tensor) else list(src)
+        dsts = [dst] if isinstance(dst, torch.Tensor) else list(dst)
+        if not srcs or len(srcs) != len(dsts):
+            raise ValueError(f"{len(srcs)} source layers for {len(dsts)} destination layers")
+        size = srcs[0].element_size()
+        device = dsts[0].device
         sg, dg = self.src_geometry, self.dst_geometry
-        for name, tensor, geometry in (("source", src, sg), ("destination", dst, dg)):
-            room = tensor.untyped_storage().nbytes() - tensor.storage_offset() * size
-            if geometry.extent() * size > room:
-                raise ValueError(f"the {name} tensor holds {room} bytes from its first element, "
-                                 f"its geometry spans {geometry.extent() * size}")
+        for name, tensors, geometry in (("source", srcs, sg), ("destination", dsts, dg)):
+            for tensor in tensors:
+                if tensor.element_size() != size:
+                    raise ValueError(f"element sizes differ: {srcs[0].dtype} and {tensor.dtype}")
+                if tensor.device != device:
+                    raise ValueError(f"the {name} layers are on {tensor.device}, not {device}")
+                room = tensor.untyped_storage().nbytes() - tensor.storage_offset() * size
+                if geometry.extent() * size > room:
+                    raise ValueError(f"a {name} tensor holds {room} bytes from its first "
+                                     f"element, its geometry spans {geometry.extent() * size}")
         strides = tuple(s * size for s in (*sg.strides(), *dg.strides()))
-        unit = copy_unit(sg.head_dim * size, strides, (src.data_ptr(), dst.data_ptr()))
+        pointers = tuple(t.data_ptr() for t in (*srcs, *dsts))
+        unit = copy_unit(sg.head_dim * size, strides, pointers)
         width = torch.empty(0, dtype=unit).element_size()
         row_len = sg.head_dim * size // width
         cols = triton.next_power_of_2(row_len)
@@ -179,9 +216,11 @@ class RowCopy:
         rows_per_part = sg.block_size * sg.heads
         chunks = triton.cdiv(rows_per_part, rows)
         return BoundRowCopy(
-            _flat(src, unit), _flat(dst, unit), dst.device, chunks,
-            (rows_per_part, sg.heads, row_len, chunks, *(s // width for s in strides)),
-            {"ROWS": rows, "COLS": cols, "num_warps": 4}, self._cap(dst.device))
+            (*srcs, *dsts), _addresses(srcs, device), _addresses(dsts, device), len(srcs),
+            device, chunks, (rows_per_part, sg.heads, row_len, chunks,
+                             *(s // width for s in strides)),
+            {"UNIT_BYTES": width, "ROWS": rows, "COLS": cols, "num_warps": 4},
+            self._cap(device))
 
     def launch(self, plan: RowPlan, src: torch.Tensor, dst: torch.Tensor,
                ids: torch.Tensor | None = None) -> None:
@@ -198,10 +237,12 @@ class RowCopy:
 
 @dataclass(frozen=True)
 class BoundRowCopy:
-    """One source and destination tensor pair with its launch arguments worked out."""
+    """Source and destination layers with their launch arguments worked out."""
 
-    src: torch.Tensor
-    dst: torch.Tensor
+    tensors: tuple[torch.Tensor, ...]   # held, so the addresses stay theirs
+    src_layers: torch.Tensor            # each source layer's byte address, on ``device``
+    dst_layers: torch.Tensor
+    num_layers: int
     device: torch.device
     chunks: int
     args: tuple[int, ...]
@@ -209,23 +250,21 @@ class BoundRowCopy:
     max_programs: int
 
     def launch(self, plan: RowPlan, ids: torch.Tensor | None = None) -> None:
-        """Copy ``plan``'s block pairs on the current stream (returns at once on CUDA).
-        ``ids``: ``upload_pairs(plan)`` made before (one upload serves every layer)."""
+        """Copy ``plan``'s block pairs in every bound layer on the current stream (returns at
+        once on CUDA). ``ids``: ``upload_pairs(plan)`` made before (one upload serves every
+        launch)."""
         if plan.num_blocks == 0:
             return
         ids = upload_pairs(plan, self.device) if ids is None else ids
-        grid = (max(1, min(plan.num_blocks * 2 * self.chunks, self.max_programs)),)
-        copy_rows_kernel[grid](self.src, self.dst, ids, plan.num_blocks, *self.args,
-                               **self.constants)
+        items = plan.num_blocks * 2 * self.chunks * self.num_layers
+        grid = (max(1, min(items, self.max_programs)),)
+        copy_rows_kernel[grid](self.src_layers, self.dst_layers, ids, plan.num_blocks,
+                               self.num_layers, *self.args, **self.constants)
 
 
-def _flat(tensor: torch.Tensor, unit: torch.dtype) -> torch.Tensor:
-    """The tensor's memory from its first element on, as a flat tensor of ``unit`` (the
-    geometry's strides say where rows are; nothing is copied)."""
-    storage = tensor.untyped_storage()
-    start = tensor.storage_offset() * tensor.element_size()
-    flat: torch.Tensor = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(
-        storage, start, (storage.nbytes() - start,), (1,))
-    width = torch.empty(0, dtype=unit).element_size()
-    usable = flat.numel() // width * width
-    return flat[:usable].view(unit)
+def _addresses(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Each tensor's first byte's address, as an int64 tensor on ``device`` (uploaded without
+    waiting for the stream)."""
+    table = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64,
+                         pin_memory=device.type == "cuda")
+    return table.to(device, non_blocking=True)

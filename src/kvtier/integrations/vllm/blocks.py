@@ -5,7 +5,8 @@ block holds ``block_size * kv_heads`` K rows and as many V rows of ``head_dim`` 
 elements each, wherever vLLM's stride order puts them (``layout.BlockLayout.rows``); one layer
 of a kvtier page holds the same rows in canonical order (``[K|V, page_size, heads, head_dim]``).
 ``transfer.rows``' kernel moves them row tile by row tile between the two geometries, one launch
-per layer and request, with no per-token indexing and no staging copy. A kvtier page of k
+per layer (a load, layer by layer as its copy from host lands) or per request (a save, every
+layer at once: ``copy_layers``), with no per-token indexing and no staging copy. A kvtier page of k
 blocks is k block-sized sub-pages, consecutive in the page (``block_view``: the pool seen as a
 pool of block-sized pages, sub-page ``page * k + j`` holding tokens ``[j * block, (j + 1) *
 block)`` of ``page``), so large kvtier pages still move into small vLLM blocks whole.
@@ -20,6 +21,7 @@ warm-up at registration) or kvtier's saver thread (CPU saves, finished requests'
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -108,8 +110,8 @@ class BlockCopier:
         self.vllm_rows = vllm_rows
         self._load = RowCopy(self.pool_rows, vllm_rows, programs_per_sm=programs_per_sm)
         self._store = RowCopy(vllm_rows, self.pool_rows, programs_per_sm=programs_per_sm)
-        #: Launch arguments per (direction, layer, vLLM tensor), worked out at first use.
-        self._bound: dict[tuple[str, int, int], BoundRowCopy] = {}
+        #: Launch arguments per (direction, first layer, vLLM tensors), worked out at first use.
+        self._bound: dict[tuple[str, int, tuple[int, ...]], BoundRowCopy] = {}
 
     @classmethod
     def for_device_pool(cls, layout: BlockLayout, pool_kv: torch.Tensor,
@@ -134,14 +136,23 @@ class BlockCopier:
              ids: torch.Tensor | None = None) -> None:
         """Launch layer ``layer`` of ``plan`` with ``kv`` as that layer's vLLM tensor, on the
         current stream (``ids``: ``ids(plan)`` uploaded before, else uploaded now)."""
-        key = (plan.direction, layer, kv.data_ptr())
+        self._bind(plan.direction, layer, [kv]).launch(plan.rows, ids)
+
+    def copy_layers(self, plan: BlockPlan, kvs: Sequence[torch.Tensor],
+                    ids: torch.Tensor | None = None) -> None:
+        """Launch every layer of ``plan`` at once, ``kvs[l]`` being layer ``l``'s vLLM tensor:
+        one launch in place of one per layer (a save's copy, queued after the whole forward)."""
+        self._bind(plan.direction, 0, kvs).launch(plan.rows, ids)
+
+    def _bind(self, direction: str, first: int, kvs: Sequence[torch.Tensor]) -> BoundRowCopy:
+        key = (direction, first, tuple(kv.data_ptr() for kv in kvs))
         bound = self._bound.get(key)
         if bound is None:
-            pool = self.pool_kv[layer]
-            bound = self._load.bind(pool, kv) if plan.direction == "load" \
-                else self._store.bind(kv, pool)
+            pools = [self.pool_kv[first + i] for i in range(len(kvs))]
+            bound = self._load.bind(pools, kvs) if direction == "load" \
+                else self._store.bind(kvs, pools)
             self._bound[key] = bound
-        bound.launch(plan.rows, ids)
+        return bound
 
     def load(self, layer: int, pages: np.ndarray, blocks: np.ndarray, kv: torch.Tensor) -> None:
         """Copy layer ``layer`` of kvtier sub-pages ``pages`` into vLLM ``blocks`` of ``kv``."""

@@ -11,10 +11,11 @@ Owns ``PromptSave`` (one prompt being stored) and ``SaveCopier`` (the tensor wor
   counted ``saves_to_host_only``) instead of the whole prompt through the device tier; and
   skips the prompt outright when kvtier already holds every full page on some tier (no copy,
   no commit: counted ``saves_skipped_held``);
-- ``copy_layer(save, layer)`` gathers that layer's rows by slot from vLLM's KV tensor into the
-  staging pages, in kvtier's canonical row order (``layout``): per layer and prompt one
-  launch of kvtier's row kernel over whole blocks where ``blocks`` applies (CUDA, a vLLM
-  layout whose head rows are contiguous, page size a multiple of the block size); else, on the
+- ``copy_all(save)`` (or ``copy_layer(save, layer)``, one layer) gathers the rows by slot from
+  vLLM's KV tensors into the staging pages, in kvtier's canonical row order (``layout``): one
+  launch of kvtier's row kernel over whole blocks of every layer where ``blocks`` applies
+  (CUDA, a vLLM layout whose head rows are contiguous, page size a multiple of the block
+  size; ``copy_layer``: one launch per layer); else, layer by layer, on the
   CPU with whole blocks, one copy per block straight into its page; else one gather and one
   scatter (of whole blocks when the page size is a multiple of the block size, else of token
   rows);
@@ -69,7 +70,7 @@ class PromptSave:
     blocks: torch.Tensor | None = None
     pages: torch.Tensor | None = None
     kernel_plan: Any = None            # the kernels' checked copy of every layer, and its
-    kernel_ids: Any = None             # block and page ids on the device (made at layer 0)
+    kernel_ids: Any = None             # block and page ids on the device (made at the first copy)
     layers_copied: int = 0
     copy_cpu_us: int = 0               # CPU time of its layer copies, counted at commit
     handles: list[Any] = field(default_factory=list)   # Loaded handles released after commit
@@ -186,6 +187,28 @@ class SaveCopier:
             return held, fresh[extra:]
         return None
 
+    def copy_all(self, save: PromptSave) -> None:
+        """Copy every layer of ``save``'s rows into the staging pages: one launch of the block
+        kernel for all layers where it applies, else layer by layer (``copy_layer``)."""
+        if not self._kernel_copies(save):
+            for layer in range(self.num_layers):
+                self.copy_layer(save, layer)
+            return
+        started = time.thread_time()
+        assert self.blocks is not None and save.kernel_plan is not None
+        self.blocks.copy_layers(save.kernel_plan, self.kv_caches, save.kernel_ids)
+        save.layers_copied = self.num_layers
+        save.copy_cpu_us += int((time.thread_time() - started) * 1e6)
+
+    def _kernel_copies(self, save: PromptSave) -> bool:
+        """Whether the block kernel copies ``save`` (its plan made and uploaded once)."""
+        if save.blocks is None or save.pages is None or self.blocks is None:
+            return False
+        if save.kernel_plan is None:
+            save.kernel_plan = self.blocks.plan("store", save.blocks.numpy(), save.pages.numpy())
+            save.kernel_ids = self.blocks.ids(save.kernel_plan, self.blocks.pool.device)
+        return True
+
     def copy_layer(self, save: PromptSave, layer: int, kv_layer: torch.Tensor | None = None) -> None:
         """Copy layer ``layer`` of ``save``'s rows from vLLM's tensor into the staging pages."""
         started = time.thread_time()
@@ -194,11 +217,8 @@ class SaveCopier:
         pool = self.runtime.cache.device_pool.kv
         if save.blocks is not None:
             pool = block_view(pool, self.layout.block_size)
-        if save.blocks is not None and save.pages is not None and self.blocks is not None:
-            if save.kernel_plan is None:
-                save.kernel_plan = self.blocks.plan("store", save.blocks.numpy(),
-                                                    save.pages.numpy())
-                save.kernel_ids = self.blocks.ids(save.kernel_plan, pool.device)
+        if self._kernel_copies(save):
+            assert self.blocks is not None and save.kernel_plan is not None
             self.blocks.copy(save.kernel_plan, layer, kv, save.kernel_ids)
         elif save.blocks is not None and kv.device.type == "cpu" == pool.device.type:
             self._copy_blocks_on_cpu(save, layer, kv, pool)

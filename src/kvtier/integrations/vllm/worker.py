@@ -18,7 +18,8 @@ Owns ``WorkerSide``. Runs on vLLM's model-runner thread, inside the forward:
   requests' prompt and output, whose blocks vLLM keeps until ``get_finished`` reports them
   copied: the ``held`` mark). On CUDA
   (``copy_in_step``) it plans them, copies every layer of their rows out of vLLM's blocks
-  (stream-ordered after the forward, one kernel launch or gather per layer) and commits them
+  (stream-ordered after the forward: one kernel launch over every layer, else a gather per
+  layer) and commits them
   to the ``TieredCache`` right there: vLLM has queued the whole forward by then, so this CPU
   work runs while the GPU computes, and nothing is left for another thread to hold the
   runtime's lock over when the next request is looked up (the host copy the commit starts is
@@ -279,8 +280,8 @@ class WorkerSide:
             save = None
             try:
                 save = copier.plan(spec)
-                for layer in range(copier.num_layers if save is not None else 0):
-                    copier.copy_layer(save, layer)
+                if save is not None:
+                    copier.copy_all(save)
             except Exception:
                 self._save_failed(spec.req_id)
                 if save is not None:
