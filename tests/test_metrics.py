@@ -56,7 +56,8 @@ def cache_snapshot() -> dict:
         assert cache.drain()
         return {"info": {"version": "t", "model": "m"}, "requests": stats.snapshot(),
                 "scheduler": {"queued": 1, "running": 2, "rejected": 3, "steps": 7,
-                              "batched_tokens": 90, "preempted": 1},
+                              "batched_tokens": 90, "preempted": 1, "ahead_steps": 5,
+                              "ahead_rows_taken": 9, "ahead_rows_dropped": 2},
                 "http": {"in_flight": 2, "rejected_total": {"body_too_large": 4}},
                 "cache": cache.stats(),
                 "bindings": {"slots": {"store.disk": {"generation": 2, "swaps": 1}}}}
@@ -90,6 +91,9 @@ def test_series_carry_the_numbers_of_the_snapshot() -> None:
     assert samples(text, "kvtier_engine_steps_total") == {(): 7.0}
     assert samples(text, "kvtier_engine_batched_tokens_total") == {(): 90.0}
     assert samples(text, "kvtier_engine_preempted_total") == {(): 1.0}
+    assert samples(text, "kvtier_engine_ahead_steps_total") == {(): 5.0}
+    assert samples(text, "kvtier_engine_ahead_rows_taken_total") == {(): 9.0}
+    assert samples(text, "kvtier_engine_ahead_rows_dropped_total") == {(): 2.0}
 
 
 def test_a_rebuilt_store_index_is_counted_by_outcome() -> None:

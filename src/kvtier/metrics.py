@@ -186,7 +186,14 @@ def _scheduler(sched: Mapping[str, Any], http: Mapping[str, Any]) -> Iterator[Me
                            ("batched_tokens", "kvtier_engine_batched_tokens_total",
                             "Tokens run by batched forwards (decodes and prefill chunks)."),
                            ("preempted", "kvtier_engine_preempted_total",
-                            "Sequences preempted because the device pool ran out.")):
+                            "Sequences preempted because the device pool ran out."),
+                           ("ahead_steps", "kvtier_engine_ahead_steps_total",
+                            "Greedy decode steps queued one step ahead (engine.decode_ahead)."),
+                           ("ahead_rows_taken", "kvtier_engine_ahead_rows_taken_total",
+                            "Rows of steps queued ahead that the next step took."),
+                           ("ahead_rows_dropped", "kvtier_engine_ahead_rows_dropped_total",
+                            "Rows of steps queued ahead that the next step could not take "
+                            "(their sequence ended or changed; computed again if needed).")):
         yield _counter(name, doc, [((), sched.get(key, 0))])
 
 
