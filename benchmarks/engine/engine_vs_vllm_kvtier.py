@@ -99,6 +99,15 @@ def kvtier_case(args: argparse.Namespace, deterministic: bool = False) -> dict[s
             attempt(res["itl"], str(b),
                     lambda b=b: itl_from(run, b, args.itl_prompt, args.itl_repeats))
         log(f"kvtier itl {res['itl']}")
+        if service.engine.lookahead is not None:   # the same decodes, one step at a time
+            res["engine_stats_ahead"] = service.engine.stats()
+            service.scheduler.call_soon(
+                lambda: setattr(service.engine, "lookahead", None)).result(timeout=60)
+            res["itl_one_at_a_time"] = {}
+            for b in ITL_BATCHES:
+                attempt(res["itl_one_at_a_time"], str(b),
+                        lambda b=b: itl_from(run, b, args.itl_prompt, args.itl_repeats))
+            log(f"kvtier itl, steps one at a time {res['itl_one_at_a_time']}")
         res["engine_stats"] = service.engine.stats()
     finally:
         service.close()
