@@ -8,6 +8,9 @@ pool. Pure Python: runs without vLLM.
 
 from __future__ import annotations
 
+import pytest
+
+from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.options import DEFAULT_STAGING_PAGES, parse_connector_config
 from kvtier.integrations.vllm.runtime import default_staging_pages, with_staging_pages
 from kvtier.layout import KVLayout
@@ -61,3 +64,11 @@ def test_saves_cross_the_bus_on_a_small_grid_unless_told_otherwise() -> None:
         == 0
     env = {"KVTIER_HOST__STORE_PROGRAMS": "32"}
     assert parse_connector_config({}, 16, env=env).config.host.store_programs == 32
+
+
+def test_the_prefetch_policy_is_a_connector_key_checked_like_the_config_field() -> None:
+    assert parse_connector_config({}, 16, env={}).config.controller.prefetch_policy == "timeout"
+    keyed = parse_connector_config({"prefetch_policy": "wait_complete"}, 16, env={})
+    assert keyed.config.controller.prefetch_policy == "wait_complete"
+    with pytest.raises(ConfigError, match="prefetch_policy"):
+        parse_connector_config({"prefetch_policy": "forever"}, 16, env={})

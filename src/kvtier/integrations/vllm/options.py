@@ -40,6 +40,7 @@ CONFIG_KEYS: dict[str, str] = {
     "host_pool_bytes": "host.pool_bytes",
     "pinned_budget_bytes": "host.pinned_budget_bytes",
     "write_policy": "controller.write_policy",
+    "prefetch_policy": "controller.prefetch_policy",
     "prefetch_timeout_max_s": "controller.prefetch_timeout_max_s",
     "io_workers": "controller.io_workers",
     "copy_path": "host.copy_path",
