@@ -12,9 +12,11 @@ captured once per key (batch bucket, table width):
   pages), so one graph serves every length up to it and the split-KV grid stays small.
 - Static buffers (``StaticDecode``): token ids, positions, KV slots, page tables, the decode rows
   (row, query, keys), the logits. ``fill`` writes one step's rows into them (host tensors, one
-  copy each); replay runs the embedding, every decoder layer (the paged attention reading the
-  static batch in place of ``PagedBatch``: new KV to its slots, split-KV over its pages) and the
-  head.
+  copy each, from pinned memory on CUDA); replay runs the embedding, every decoder layer (the
+  paged attention reading the static batch in place of ``PagedBatch``: new KV to its slots,
+  split-KV over its pages) and the head. ``run`` returns a copy of the logits; ``launch`` only
+  queues the step (its token ids may come from the device: ``ahead`` queues a step before the
+  one in flight has handed its tokens to the host).
 
 Any capture failure or a lack of memory turns the graphs off (counted in ``stats``) and the
 step runs eagerly; nothing fails a request. Without CUDA (tests) the same static steps run
@@ -73,7 +75,7 @@ class StaticDecode:
 
         On CUDA the host side is built in pinned memory and copied without waiting: a blocking
         copy from pageable memory would hold the engine thread until the step already queued on
-        the stream is done, which a step launched ahead (``engine.ahead``) must not. ``ids``: the
+        the stream is done, which a step queued ahead (``ahead``) must not. ``ids``: the
         rows' tokens as a device tensor (the step before's choice, not known on the host yet),
         in place of ``row.tokens``."""
         page, n = self.page_size, len(rows)
