@@ -6,6 +6,8 @@ gives the unfused one's bits on shapes where both cut K into the same segments."
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,6 +16,11 @@ from torch.overrides import TorchFunctionMode
 from kvtier.engine import fused, fused_proj, invariant, invariant_gemm
 from kvtier.engine.hf import CausalLM, load_model
 from test_deterministic import deterministic_lm
+
+#: Cases that run kvtier's Triton kernels on CPU tensors: only the interpreter can (on a CUDA
+#: machine the GPU tests cover those kernels).
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="Triton kernels on CPU tensors need TRITON_INTERPRET=1")
 
 
 class _LinearCalls(TorchFunctionMode):
@@ -65,6 +72,7 @@ def _bytes(model: torch.nn.Module) -> int:
     return sum(storages.values())
 
 
+@interpreted
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
 def test_fused_projections_give_the_unfused_logits_with_fewer_gemms(name):
     lm = _fresh(name)
@@ -164,6 +172,7 @@ def test_a_lone_call_computes_its_own_projection():
         assert torch.equal(k_of_copy, k_again)
 
 
+@interpreted
 def test_installing_again_keeps_the_fused_weights_and_puts_the_forwards_back():
     lm = _fresh("tiny-llama")
     layers = lm.config.num_hidden_layers
@@ -207,6 +216,7 @@ def test_the_fused_weight_moves_the_invariant_segments():
     assert invariant.KERNELS == "invariant-4"
 
 
+@interpreted
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_deterministic_mode_fuses_through_the_invariant_gemm(dtype, monkeypatch):
     """``invariant.install`` fuses with its own GEMM; at these shapes every weight, fused or

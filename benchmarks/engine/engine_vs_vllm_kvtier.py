@@ -78,9 +78,10 @@ def kvtier_case(args: argparse.Namespace, deterministic: bool = False) -> dict[s
         _generate_all(service, [prompt(64, seed=990 + i) for i in range(2)], 8)   # warm-up
         graphs = service.engine.decode_graphs
         if graphs is not None:   # capture now (on the engine thread), not on the clock
-            keys = args.throughput_prompt + NEW_TOKENS
-            service.scheduler.call_soon(
-                lambda: graphs.warm(service.engine.pages.kv, keys)).result(timeout=600)
+            for keys in (args.throughput_prompt + NEW_TOKENS, args.itl_prompt + NEW_TOKENS + 1):
+                service.scheduler.call_soon(
+                    lambda keys=keys: graphs.warm(service.engine.pages.kv, keys)
+                ).result(timeout=600)
         _timed_concurrent(service, [prompt(args.throughput_prompt, seed=995 + i) for i in range(2)],
                           NEW_TOKENS)                                            # warm-up
         res["throughput"], res["itl"] = {}, {}
@@ -99,16 +100,31 @@ def kvtier_case(args: argparse.Namespace, deterministic: bool = False) -> dict[s
             attempt(res["itl"], str(b),
                     lambda b=b: itl_from(run, b, args.itl_prompt, args.itl_repeats))
         log(f"kvtier itl {res['itl']}")
-        if service.engine.lookahead is not None:   # the same decodes, one step at a time
-            res["engine_stats_ahead"] = service.engine.stats()
-            service.scheduler.call_soon(
-                lambda: setattr(service.engine, "lookahead", None)).result(timeout=60)
-            res["itl_one_at_a_time"] = {}
-            for b in ITL_BATCHES:
-                attempt(res["itl_one_at_a_time"], str(b),
-                        lambda b=b: itl_from(run, b, args.itl_prompt, args.itl_repeats))
-            log(f"kvtier itl, steps one at a time {res['itl_one_at_a_time']}")
+        if graphs is not None:      # the look-ahead against steps one at a time, both ways
+            res.update(_itl_ahead(service, graphs, run, args))
         res["engine_stats"] = service.engine.stats()
     finally:
         service.close()
     return res
+
+
+def _itl_ahead(service: Any, graphs: Any, run: Any, args: argparse.Namespace
+               ) -> dict[str, Any]:
+    """Decode ITL with the steps queued ahead (``engine.decode_ahead``), then one at a time
+    again (the order's own drift shows as the two one-at-a-time runs' difference); each
+    with prompts of its own."""
+    from kvtier.engine.ahead import Lookahead
+
+    engine, out = service.engine, {}
+    for key, lookahead, variant in (("itl_ahead", Lookahead(graphs), 1),
+                                    ("itl_one_at_a_time_again", None, 2)):
+        service.scheduler.call_soon(
+            lambda la=lookahead: setattr(engine, "lookahead", la)).result(timeout=60)
+        out[key] = {}
+        for b in ITL_BATCHES:
+            attempt(out[key], str(b), lambda b=b, v=variant: itl_from(
+                run, b, args.itl_prompt, args.itl_repeats, variant=v))
+        if lookahead is not None:
+            out["engine_stats_ahead"] = engine.stats()
+        log(f"kvtier {key} {out[key]}")
+    return out

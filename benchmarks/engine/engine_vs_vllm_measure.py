@@ -46,12 +46,16 @@ def itl_prompts(batch: int, length: int, tag: int) -> list[list[int]]:
     return [prompt(length, seed=900_000 + tag * 10_000 + batch * 100 + i) for i in range(batch)]
 
 
-def itl_from(run: Any, batch: int, length: int, repeats: int) -> dict[str, Any]:
-    """``run(prompts, new)`` returns wall seconds; the decode step time at ``batch``."""
+def itl_from(run: Any, batch: int, length: int, repeats: int, variant: int = 0
+             ) -> dict[str, Any]:
+    """``run(prompts, new)`` returns wall seconds; the decode step time at ``batch``. Each
+    ``variant`` (a setting measured on the same engine) gets prompts of its own, so none of
+    its prefills is a cache hit left by another variant."""
     short, long_ = [], []
     for r in range(repeats):
-        short.append(run(itl_prompts(batch, length, 2 * r), 1))
-        long_.append(run(itl_prompts(batch, length, 2 * r + 1), NEW_TOKENS + 1))
+        tag = 2 * r + 100 * variant
+        short.append(run(itl_prompts(batch, length, tag), 1))
+        long_.append(run(itl_prompts(batch, length, tag + 1), NEW_TOKENS + 1))
     ms = (statistics.median(long_) - statistics.median(short)) / NEW_TOKENS * 1e3
     return {"batch": batch, "prompt_tokens": length, "itl_ms": round(ms, 3),
             "wall_1_new_s": [round(x, 4) for x in short],

@@ -71,10 +71,11 @@ class EngineConfig:
                                   "graphs (captured at batch buckets 1, 2, 4, ... up to it; "
                                   "larger steps run eagerly). 0: no decode graphs. CUDA only.",
                                   minimum=0)
-    decode_ahead: bool = opt(True, "Queue each greedy decode step from its captured graph "
+    decode_ahead: bool = opt(False, "Queue each greedy decode step from its captured graph "
                              "before the step in flight hands its tokens to the host, so the "
-                             "GPU never waits for the engine thread between decode steps "
-                             "(needs decode graphs; sampled requests step one at a time).")
+                             "GPU does not wait for the engine thread between decode steps "
+                             "(needs decode graphs; sampled requests step one at a time). Off "
+                             "until a GPU run shows it ahead of steps one at a time.")
     max_new_tokens: int = opt(256, "Default cap on generated tokens per request.", minimum=1)
     max_running: int = opt(16, "Sequences generated at once, in one forward per step; others "
                            "wait in the fair queue.", minimum=1, alias="--max-running")
