@@ -1,11 +1,12 @@
 """Greedy decode steps queued one step ahead, so the GPU does not wait for the engine thread.
 
-Owns ``Chosen`` (one step's greedy tokens: on the device at once, on the host once copied) and
-``Lookahead`` (the step queued ahead and the rules for taking its rows). In a run of greedy
-decode steps, step i + 1 needs from the host only step i's tokens, and those are on the device
-as soon as step i is queued. So ``Engine`` queues step i, its argmax and the copy of the tokens
-to the host; then step i + 1 from an already captured decode graph, fed the tokens on the
-device (``DecodeGraphs.launch``); and only then waits for step i's tokens and hands them out,
+Owns ``Chosen`` (one step's greedy tokens: on the device at once, on the host once copied),
+``select_rows`` (rows of a device tensor, without waiting for the device) and ``Lookahead``
+(the step queued ahead and the rules for taking its rows). In a run of greedy decode steps,
+step i + 1 needs from the host only step i's tokens, and those are on the device as soon as
+step i is queued. So ``Engine`` queues step i, its argmax and the copy of the tokens to the
+host; then step i + 1 from an already captured decode graph, fed the tokens on the device
+(``DecodeGraphs.launch``); and only then waits for step i's tokens and hands them out,
 while the GPU runs step i + 1. The next ``Engine.step`` takes the rows step i + 1 computed
 (``take``) instead of running them again, and queues step i + 2 the same way. The engine
 thread's own time (emitting tokens, the scheduler's bookkeeping, planning, filling the graph's
@@ -127,19 +128,25 @@ class Lookahead:
         return taken, (pending if taken else None)
 
     def launch(self, rows: list[tuple[Any, paged.BatchRow]], pool: torch.Tensor,
-               fed: Chosen, fed_index: list[int]) -> bool:
+               fed: Chosen, fed_index: list[int]) -> None:
         """Queue ``rows`` (one token each, fed ``fed.device[fed_index]``) through a captured
-        decode graph; False if none serves them (nothing was queued)."""
-        ids = fed.device
-        if fed_index != list(range(len(ids))):
-            cuda = ids.device.type == "cuda"     # a blocking upload would wait for the stream
-            index = torch.tensor(fed_index, dtype=torch.long, pin_memory=cuda)
-            ids = ids[index.to(ids.device, non_blocking=cuda)]
+        decode graph; nothing is queued where none serves them."""
+        ids = select_rows(fed.device, fed_index)
         logits = self.graphs.launch([row for _, row in rows], pool, ids, build=False)
         if logits is None:
-            return False
+            return
         page = int(pool.shape[3])
         self.pending = Ahead([AheadRow(seq, row.start, tuple(row.pages[:-(-row.end // page)]))
                               for seq, row in rows], Chosen.of(logits), fed, fed_index)
         self.counters["ahead_steps"] += 1
-        return True
+
+
+def select_rows(tensor: torch.Tensor, index: list[int]) -> torch.Tensor:
+    """``tensor[index]`` without waiting for the device: the whole tensor when ``index`` takes
+    every row in order, else the index uploaded from pinned memory (a blocking upload from
+    pageable memory would wait for everything queued on the stream)."""
+    if index == list(range(len(tensor))):
+        return tensor
+    cuda = tensor.device.type == "cuda"
+    rows = torch.tensor(index, dtype=torch.long, pin_memory=cuda)
+    return tensor[rows.to(tensor.device, non_blocking=cuda)]

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from kvtier.engine import paged
-from kvtier.engine.ahead import Chosen, Lookahead
+from kvtier.engine.ahead import Chosen, Lookahead, select_rows
 from kvtier.engine.hf import CausalLM
 from kvtier.engine.prefix import MIN_OBSERVED_PREFILL_TOKENS
 from kvtier.engine.request import FinishEvent, PrefillReport, RequestHandle, TokenEvent
@@ -70,14 +70,6 @@ def _loading(seq: Sequence) -> bool:
     ticket = seq.kv.ticket if seq.kv is not None else None
     is_done = getattr(ticket, "is_done", None)
     return is_done is not None and not is_done()
-
-
-def _rows(logits: torch.Tensor, index: list[int]) -> torch.Tensor:
-    """``logits[index]``, without the upload of a host index (which waits for the device)
-    when the index takes every row in order."""
-    if index == list(range(len(logits))):
-        return logits
-    return logits[torch.tensor(index, device=logits.device)]
 
 
 class Engine:
@@ -193,7 +185,7 @@ class Engine:
         done = [i for i, (seq, row) in enumerate(planned) if row.end == len(seq.tokens)]
         local = {i: j for j, i in enumerate(rest)}        # a rest row's row in ``logits``
         greedy = [i for i in done if i in local and planned[i][0].sampler.params.greedy]
-        chosen = Chosen.of(_rows(logits, [local[i] for i in greedy])) if greedy else None
+        chosen = Chosen.of(select_rows(logits, [local[i] for i in greedy])) if greedy else None
         if self.lookahead is not None:
             self._go_ahead(planned, done, taken, ahead, greedy, chosen)
         tokens: dict[int, int] = {}

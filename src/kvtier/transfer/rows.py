@@ -222,11 +222,6 @@ class RowCopy:
             {"UNIT_BYTES": width, "ROWS": rows, "COLS": cols, "num_warps": 4},
             self._cap(device))
 
-    def launch(self, plan: RowPlan, src: torch.Tensor, dst: torch.Tensor,
-               ids: torch.Tensor | None = None) -> None:
-        """Bind and launch once (see ``BoundRowCopy.launch``)."""
-        self.bind(src, dst).launch(plan, ids)
-
     def _cap(self, device: torch.device) -> int:
         if self.max_programs is not None:
             return self.max_programs
