@@ -15,7 +15,14 @@ import pytest
 import torch
 
 from kvtier.integrations.vllm.layout import block_layout
-from vllm_copy_support import BACKENDS, as_words, make_runtime, round_trip, slots
+from vllm_copy_support import (
+    BACKENDS,
+    as_words,
+    direct_round_trip,
+    make_runtime,
+    round_trip,
+    slots,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -26,7 +33,7 @@ OLD = {16: tuple(range(90, 10, -4)), 128: (11, 2, 7, 0, 14)}
 NEW = {16: tuple(range(3, 83, 4)), 128: (5, 12, 1, 9, 3)}
 
 
-def _run(kind_save, kind_load, dtype, block, tail, page=None, hooks=True):
+def _run(kind_save, kind_load, dtype, block, tail, page=None, hooks=True, direct=False):
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("set TRITON_INTERPRET=0 to run the kernels compiled on the GPU")
     old, new, n = OLD[block], NEW[block], NUM_BLOCKS[block]
@@ -36,12 +43,15 @@ def _run(kind_save, kind_load, dtype, block, tail, page=None, hooks=True):
         old, new = old[: count // block], new[: count // block]
     device = f"cuda:{torch.cuda.current_device()}"      # the runtime sets it on its thread
     runtime = make_runtime(LAYERS, HEADS, DIM, dtype, block, device, staging_pages=2 * len(old),
-                           page=page)
+                           page=page, direct=direct)
     try:
         tokens = [(17 * i + 3) % 30000 + 5 for i in range(count)]
-        worker, source, target = round_trip(runtime, kind_save, kind_load, n, device, tokens,
-                                            old, new, count - tail, use_kernels=None,
-                                            hooks=hooks)
+        trip = direct_round_trip if direct else round_trip
+        worker, source, target = trip(runtime, kind_save, kind_load, n, device, tokens,
+                                      old, new, count - tail, use_kernels=None, hooks=hooks)
+        if direct:     # the kernel read and wrote pinned host pages, no staging page
+            assert worker.direct is not None and runtime.cache.host_pool.pinned
+            assert runtime.cache.stats()["counters"].get("load_back_pages_total", 0) == 0
         assert worker.blocks is not None, "the CUDA path must use the transfer kernels"
         assert runtime.counts["load_errors"] == 0
         was, now = slots(old, block, count - tail), slots(new, block, count - tail)
@@ -64,6 +74,12 @@ def _run(kind_save, kind_load, dtype, block, tail, page=None, hooks=True):
 @pytest.mark.parametrize("kind", ["nhd", "hnd"])
 def test_vllm_blocks_round_trip_through_the_host_tier_byte_exact(kind, block, dtype):
     _run(kind, kind, dtype, block, tail=1)
+
+
+@pytest.mark.parametrize("hooks", [True, False], ids=["per_layer", "whole"])
+@pytest.mark.parametrize("kind", ["nhd", "hnd"])
+def test_the_direct_path_moves_blocks_to_pinned_host_pages_and_back_byte_exact(kind, hooks):
+    _run(kind, kind, torch.bfloat16, 16, tail=3, hooks=hooks, direct=True)
 
 
 @pytest.mark.parametrize("block", [16, 128])

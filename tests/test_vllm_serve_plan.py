@@ -75,18 +75,27 @@ def test_counters_are_summed_over_labels_and_only_the_wanted_ones():
         'vllm:kv_offload_load_bytes_sum{engine="0"} 1e6',
         'vllm:kv_offload_load_bytes_bucket{le="1"} 5',
         'vllm:kv_offload_cpu_cache_usage_perc{engine="0"} 0.5',
-        'vllm:generation_tokens_total{engine="0"} 99'])
-    assert vllm_serve_server.parse_counters(text) == {
+        'vllm:generation_tokens_total{engine="0"} 99',
+        'vllm:request_queue_time_seconds_sum{engine="0"} 0.5',
+        'vllm:request_queue_time_seconds_count{engine="0"} 10',
+        'vllm:request_queue_time_seconds_bucket{engine="0",le="0.1"} 4'])
+    counters = vllm_serve_server.parse_counters(text)
+    assert counters == {
         "vllm:prefix_cache_hits": 15.0, "vllm:kvtier_hit_tokens_host": 4096.0,
-        "vllm:kv_offload_load_bytes_sum": 1e6}
+        "vllm:kv_offload_load_bytes_sum": 1e6, "vllm:request_queue_time_seconds_sum": 0.5,
+        "vllm:request_queue_time_seconds_count": 10.0}
+    assert vllm_serve_report.phases({"native": {"w": {"vllm_counters": counters}}}, ["w"]) == [
+        "vLLM's phases, w, native, mean ms per request: queued 50.0, scheduled to first token "
+        "-, TTFT -"]
 
 
 def test_the_connectors_cpu_is_reported_per_request():
     counters = {"vllm:kvtier_worker_hooks_us": 50_000.0, "vllm:kvtier_save_plan_cpu_us": 10_000.0,
                 "vllm:kvtier_lookup_us": 20_000.0, "vllm:kvtier_saves_to_host_only": 3.0}
     lines = vllm_serve_report.connector_cpu(
-        {"shared-prefix": {"requests": 10, "vllm_counters": counters},
+        "kvtier", {"shared-prefix": {"requests": 10, "vllm_counters": counters},
          "multi-turn": {"requests": 5, "vllm_counters": {}}}, ["shared-prefix", "multi-turn"])
-    assert lines == ["kvtier's connector CPU in vLLM's loop, shared-prefix, ms per request: step "
+    assert lines == ["kvtier's connector CPU in vLLM's loop (kvtier), shared-prefix, ms per "
+                     "request: step "
                      "hooks 5.00 (saves: plan 1.00, copy 0.00, commit 0.00), lookups 2.00, step "
                      "metadata 0.00; saves to host only 3"]

@@ -10,6 +10,7 @@ block ids, the way a later request's hit arrives.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,16 +41,22 @@ class Step:
 
 
 def make_runtime(layers: int, heads: int, dim: int, dtype: torch.dtype, block: int,
-                 device: str, staging_pages: int, page: int | None = None) -> ConnectorRuntime:
-    """``page``: kvtier's page size (default: the block size)."""
+                 device: str, staging_pages: int, page: int | None = None,
+                 direct: bool = False, host_layout: str = "page_first") -> ConnectorRuntime:
+    """``page``: kvtier's page size (default: the block size). ``direct``: the direct path
+    (no staging pages; a host tier of ``2 * staging_pages`` pages all the same)."""
     name = str(dtype).removeprefix("torch.")
     page = page or block
     shape = ModelShape("copy-test", tuple(f"layer.{i}" for i in range(layers)), heads, dim,
                        name, block)
     layout = shape.layout(page)
-    options = parse_connector_config({"staging_pages": staging_pages, "page_size": page,
+    extra: dict[str, Any] = {"direct": True} if direct else {"staging_pages": staging_pages}
+    options = parse_connector_config({**extra, "page_size": page,
                                       "host_pool_bytes": 2 * staging_pages * layout.page_bytes,
                                       "background_priority": "normal"}, block)
+    config = options.config
+    host = dataclasses.replace(config.host, layout=host_layout)
+    options = dataclasses.replace(options, config=dataclasses.replace(config, host=host))
     namespace = KeyNamespace(shape.model, "fingerprint", name, layout.fingerprint(), page)
     saver = Saver(options.save_queue_depth, options.background_priority)
     cache = saver.call(lambda: _build_cache_here(options, layout, namespace, device))
@@ -137,6 +144,37 @@ def round_trip(runtime: ConnectorRuntime, save_kind: str, load_kind: str, num_bl
         worker.wait_for_layer_load(name)
     worker.wait_for_save(Step())
     if on_cuda:
+        torch.cuda.synchronize()
+    return worker, source, target
+
+
+def direct_round_trip(runtime: ConnectorRuntime, save_kind: str, load_kind: str,
+                      num_blocks: int, device: str, tokens: list[int],
+                      old_blocks: tuple[int, ...], new_blocks: tuple[int, ...],
+                      load_tokens: int, use_kernels: bool, hooks: bool = True,
+                      ) -> tuple[WorkerSide, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``round_trip`` on the direct path (``make_runtime(direct=True)``): the save goes from
+    vLLM's blocks straight into host pages in ``wait_for_save``, the hit is held on host as the
+    scheduler half holds it, and the load copies host pages into the target's blocks."""
+    worker = WorkerSide(runtime, copy_in_step=True, use_kernels=use_kernels)
+    source = vllm_caches(runtime, save_kind, num_blocks, device, seed=7)
+    worker.register_kv_caches(source, BACKENDS[save_kind])
+    worker.wait_for_save(Step(saves=[SaveSpec("w", tuple(tokens), None, old_blocks)]))
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    assert runtime.drain(60.0)
+    assert runtime.counts["saved_tokens"] == len(tokens) // runtime.page_size * runtime.page_size
+    with runtime.lock:
+        runtime.staged["r"] = runtime.cache.hold_host(runtime.cache.match(tokens))
+    target = vllm_caches(runtime, load_kind, num_blocks, device, seed=None)
+    worker.register_kv_caches(target, BACKENDS[load_kind])
+    worker.start_load_kv(Step(loads=[LoadSpec("r", 0, load_tokens, new_blocks)]))
+    if not hooks:
+        worker.load_all_layers()
+    for name in target if hooks else ():
+        worker.wait_for_layer_load(name)
+    worker.wait_for_save(Step())
+    if device.startswith("cuda"):
         torch.cuda.synchronize()
     return worker, source, target
 

@@ -8,7 +8,9 @@ next starts:
 - ``native``: vLLM's own CPU offloading (``--kv-offloading-size GiB --kv-offloading-backend
   native``);
 - ``kvtier``: kvtier's connector, host tier only (``host_pool_bytes`` = the same GiB,
-  ``pinned_budget_bytes`` 4 GiB more).
+  ``pinned_budget_bytes`` 4 GiB more);
+- ``direct``: the same on kvtier's direct path (``"direct": true``: no staging pages, so its
+  vLLM gets the same GPU KV bytes as ``alone`` and ``native``).
 
 Every server gets the same model (a directory holding a config.json of one of kvtier's presets
 and kvtier's tokenizer, random weights: ``--load-format dummy``), dtype, block size, prefix

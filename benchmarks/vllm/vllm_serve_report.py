@@ -9,11 +9,11 @@ from __future__ import annotations
 import subprocess
 from typing import Any
 
-from vllm_serve_server import CONFIGS
+from vllm_serve_server import CONFIGS, KVTIER_CONFIGS, PHASES
 
 #: kvtier's counters of saves that did not store their prompt (``vllm:kvtier_*`` on /metrics).
 LOST_SAVES = ("saves_dropped_queue_full", "saves_refused_no_staging", "saves_refused_evicted",
-              "saves_refused_host_moved", "saves_incomplete", "saves_failed")
+              "saves_refused_host_moved", "saves_refused_no_host_room", "saves_incomplete", "saves_failed")
 METRICS = (("ttft_ms_p50", "TTFT p50"), ("ttft_ms_p99", "TTFT p99"), ("itl_ms_p50", "ITL p50"),
            ("requests_per_s", "req/s"), ("output_tokens_per_s", "out tok/s"),
            ("cached_tokens_share", "cached"))
@@ -33,14 +33,15 @@ def summarize_runs(results: list[dict[str, Any]],
     rows = []
     for name in workloads:
         cells = {c: by.get(c, {}).get(name, {}) for c in CONFIGS}
-        ratios = {f"kvtier/{base}": {key: _ratio(cells["kvtier"].get(key), cells[base].get(key))
-                                     for key, _ in METRICS[:-1]} for base in ("native", "alone")}
+        ratios = {f"{ours}/{base}": {key: _ratio(cells[ours].get(key), cells[base].get(key))
+                                     for key, _ in METRICS[:-1]}
+                  for ours in KVTIER_CONFIGS if cells[ours] for base in ("native", "alone")}
         summary[name] = {"ratios": ratios}
         for c in CONFIGS:
             w = cells[c]
             hits = w.get("vllm_counters", {})
             lost = (int(sum(hits.get(f"vllm:kvtier_{k}", 0) for k in LOST_SAVES))
-                    if hits and c == "kvtier" else "")
+                    if hits and c in KVTIER_CONFIGS else "")
             rows.append([name, c, *[w.get(key) for key, _ in METRICS],
                          *_sources(hits, w.get("prompt_tokens")),
                          int(hits.get("vllm:num_preemptions", 0)) if hits else None, lost,
@@ -55,13 +56,15 @@ def summarize_runs(results: list[dict[str, Any]],
             "connector or native offloading loaded (vllm:prefix_cache_hits, " \
             "vllm:external_prefix_cache_hits); " \
             "saves lost: kvtier's saves dropped, refused, incomplete or failed; " \
-            "kvtier/X rows: ratios, lower is better for times, higher for rates)"
-    for line in connector_cpu(by.get("kvtier", {}), workloads):
+            "kvtier/X and direct/X rows (direct: kvtier's direct path): ratios, lower is " \
+            "better for times, higher for rates)"
+    cpu = [line for c in KVTIER_CONFIGS for line in connector_cpu(c, by.get(c, {}), workloads)]
+    for line in cpu + phases(by, workloads):
         text += "\n" + line
     return summary, text
 
 
-def connector_cpu(kvtier: dict[str, Any], workloads: list[str]) -> list[str]:
+def connector_cpu(config: str, kvtier: dict[str, Any], workloads: list[str]) -> list[str]:
     """Per workload, kvtier's connector CPU inside vLLM's engine loop per request (ms), from its
     ``vllm:kvtier_*_us`` counters: the step hooks (of them the saves' plan, copy and commit) and
     the scheduler's lookups and step metadata; and how many saves went to host only."""
@@ -74,11 +77,30 @@ def connector_cpu(kvtier: dict[str, Any], workloads: list[str]) -> list[str]:
         ms = {k: f"{counters.get(f'vllm:kvtier_{k}', 0) / requests / 1e3:.2f}"
               for k in ("worker_hooks_us", "save_plan_cpu_us", "save_copy_cpu_us",
                         "save_commit_cpu_us", "lookup_us", "meta_build_us")}
-        lines.append(f"kvtier's connector CPU in vLLM's loop, {name}, ms per request: step hooks "
+        lines.append(f"kvtier's connector CPU in vLLM's loop ({config}), {name}, ms per request: "
+                     f"step hooks "
                      f"{ms['worker_hooks_us']} (saves: plan {ms['save_plan_cpu_us']}, copy "
                      f"{ms['save_copy_cpu_us']}, commit {ms['save_commit_cpu_us']}), lookups "
                      f"{ms['lookup_us']}, step metadata {ms['meta_build_us']}; saves to host "
                      f"only {int(counters.get('vllm:kvtier_saves_to_host_only', 0))}")
+    return lines
+
+
+def phases(by: dict[str, dict[str, Any]], workloads: list[str]) -> list[str]:
+    """Per workload and config, vLLM's own split of a TTFT, means in ms per request: waiting to
+    be scheduled (a request waiting for its load outside the step, as native offloading's do,
+    counts here), scheduled to first token, and the server's TTFT."""
+    lines = []
+    for name in workloads:
+        for config in CONFIGS:
+            counters = by.get(config, {}).get(name, {}).get("vllm_counters", {})
+            means = []
+            for phase in PHASES:
+                n = counters.get(f"{phase}_count", 0.0)
+                means.append(f"{counters.get(f'{phase}_sum', 0.0) / n * 1e3:.1f}" if n else "-")
+            if any(m != "-" for m in means):
+                lines.append(f"vLLM's phases, {name}, {config}, mean ms per request: queued "
+                             f"{means[0]}, scheduled to first token {means[1]}, TTFT {means[2]}")
     return lines
 
 

@@ -1,5 +1,5 @@
 """``vllm_serve.py``'s servers: one ``vllm serve`` process per config (``alone``, ``native``,
-``kvtier``) in its own process group on a free port, its command line, waiting for ``/health``,
+``kvtier``, ``direct``) in its own process group on a free port, its command line, waiting for ``/health``,
 stopping the whole group, the counters read from ``/metrics``, the error lines of its log, and
 ``run_config`` (warm-up and every workload through kvtier's load generator against one server).
 The main thread runs it; a watchdog timer thread stops a server past its deadline, and the load
@@ -26,12 +26,18 @@ from typing import Any
 from vllm_serve_plan import log, warmup_requests
 
 REPO = Path(__file__).resolve().parents[2]
-CONFIGS = ("alone", "native", "kvtier")
+CONFIGS = ("alone", "native", "kvtier", "direct")
+#: Configs that run kvtier's connector (staged; direct: no staging pages).
+KVTIER_CONFIGS = ("kvtier", "direct")
 MODEL_NAME = "kvtier-bench"
 #: vLLM counters read from ``/metrics`` before and after each workload (summed over labels).
 COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
             "vllm:external_prefix_cache_queries", "vllm:external_prefix_cache_hits",
             "vllm:num_preemptions")
+#: vLLM's per-request phase histograms: time waiting to be scheduled, prefill time (first
+#: scheduled to first token) and the server's own TTFT; their sums over counts split a TTFT.
+PHASES = ("vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
+          "vllm:time_to_first_token_seconds")
 
 
 def free_port() -> int:
@@ -55,10 +61,11 @@ def server_command(args: argparse.Namespace, config: str, port: int,
     gib = plan["host_gib"]
     if config == "native":
         cmd += ["--kv-offloading-size", str(gib), "--kv-offloading-backend", "native"]
-    elif config == "kvtier":
+    elif config in KVTIER_CONFIGS:
         extra: dict[str, Any] = {"host_pool_bytes": f"{gib}GiB",
-                                 "pinned_budget_bytes": f"{gib + 4}GiB",
-                                 "staging_pages": plan["kvtier_staging_pages"]}
+                                 "pinned_budget_bytes": f"{gib + 4}GiB"}
+        extra.update({"direct": True} if config == "direct"
+                     else {"staging_pages": plan["kvtier_staging_pages"]})
         cmd += ["--kv-transfer-config", json.dumps({
             "kv_connector": "KvtierConnector", "kv_connector_module_path":
             "kvtier.integrations.vllm", "kv_role": "kv_both", "kv_connector_extra_config": extra})]
@@ -155,8 +162,9 @@ def counters(url: str) -> dict[str, float]:
 
 
 def parse_counters(text: str) -> dict[str, float]:
-    """vLLM's ``COUNTERS``, kvtier's connector counters (``vllm:kvtier_*``) and the native
-    offloading's counters and histogram sums (``vllm:kv_offload*``) of a Prometheus text page,
+    """vLLM's ``COUNTERS``, kvtier's connector counters (``vllm:kvtier_*``), the native
+    offloading's counters and histogram sums (``vllm:kv_offload*``) and the sums and counts of
+    vLLM's per-request phase histograms (``PHASES``) of a Prometheus text page,
     each summed over its label sets, named without ``_total``."""
     out: dict[str, float] = {}
     for line in text.splitlines():
@@ -165,7 +173,8 @@ def parse_counters(text: str) -> dict[str, float]:
         name, value = line.split("{", 1)[0].split(" ", 1)[0], line.rsplit(" ", 1)[1]
         base = name.removesuffix("_total")
         wanted = base in COUNTERS or (name.endswith("_total") and base.startswith("vllm:kvtier_"))\
-            or (base.startswith("vllm:kv_offload") and name.endswith(("_total", "_sum", "_count")))
+            or (base.startswith(("vllm:kv_offload",) + PHASES) and name.endswith(("_sum", "_count")))\
+            or (base.startswith("vllm:kv_offload") and name.endswith("_total"))
         if wanted:
             try:
                 out[base] = out.get(base, 0.0) + float(value)

@@ -15,6 +15,14 @@ controller). The engine's cycle for one prompt::
     cache.release(loaded)                       # unpin
     cache.poll()                                # now and then: reap copies and IO completions
 
+An engine that moves KV between its own memory and host pages itself (the vLLM connector's
+direct path) uses the host tier without device pages of kvtier's::
+
+    held = cache.hold_host(hit)                 # host pages of the hit's prefix, pinned
+    ...copy held.host_page_ids into the engine's memory; held.ticket = its copy's ticket
+    cache.release(held)
+    cache.save_host(tokens, fill, salt)         # fill(first, host_ids) writes those pages
+
 Pages are named by SHA-256 chain keys seeded by the namespace and the tenant salt, and indexed
 by their tokens, so a request never hits another tenant's pages or a page computed for other
 tokens. With several ranks (tensor parallel), pass ``collective`` (``min_across_ranks``) and
@@ -34,7 +42,7 @@ from kvtier.config import KvtierConfig, setting_name
 from kvtier.controller.close_flush import flush_to_stores, tell_flush
 from kvtier.controller.context import CacheContext
 from kvtier.controller.controller import CacheController
-from kvtier.controller.handles import Hit, Loaded
+from kvtier.controller.handles import Held, Hit, Loaded
 from kvtier.controller.ranks import Collective
 from kvtier.controller.rates import RateBook
 from kvtier.controller.wiring import bind_host_pool, open_guarded_stores
@@ -46,6 +54,7 @@ from kvtier.store.base import PageStore
 
 if TYPE_CHECKING:
     from kvtier.controller.hints import HintOutcome
+    from kvtier.controller.writes import HostFill
     from kvtier.hints import CacheHint
     from kvtier.memory.device_pool import DevicePool
     from kvtier.memory.host_pool import HostPool
@@ -182,6 +191,23 @@ class TieredCache:
         return self.controller.loader.load(hit, recompute_tokens, overlap=overlap,
                                            layerwise=layerwise)
 
+    def hold_host(self, hit: Hit) -> Held:
+        """Pin the host tier's prefix of ``hit`` for a caller that copies host pages into its
+        own memory itself (``held.host_page_ids``, prompt pages ``[0, held.pages)``). The part
+        only stores hold lands in the host tier first, under the prefetch policy, as for
+        ``load``. Set ``held.ticket`` to the copy reading them, then ``release(held)``."""
+        self.controller.poll()
+        return self.controller.hold(hit)
+
+    def save_host(self, tokens: Tokens, fill: HostFill, salt: bytes | str | None = None) -> int:
+        """Store the full pages of ``tokens`` the host tier lacks without device pages of
+        kvtier's: ``fill(first, host_ids)`` starts writing prompt pages ``[first, first +
+        len(host_ids))`` (kvtier's page layout) into those host pages and returns a ticket
+        (``is_done()``, ``wait(timeout_s)``); they enter the index when it is done, then go to
+        the stores as any host page does. Returns the prompt's pages the host tier holds or
+        will hold (0: no room). Needs a host tier."""
+        return self.controller.fill_host(tokens, fill, salt)
+
     def plan_split(self, hit: Hit) -> int:
         """Tokens at the head of the hit to recompute rather than load (planner cost model)."""
         return self.controller.plan_split(hit)
@@ -258,8 +284,8 @@ class TieredCache:
         a bounded head start in eviction, never a pin; returns the ``HintOutcome``."""
         return self.controller.hint(tokens, hint, salt, tenant)
 
-    def release(self, loaded_or_hit: Loaded | Hit) -> None:
-        """Unpin what ``load`` pinned (idempotent)."""
+    def release(self, loaded_or_hit: Loaded | Hit | Held) -> None:
+        """Unpin what ``load`` or ``hold_host`` pinned (idempotent)."""
         self.controller.release(loaded_or_hit)
 
     def flush(self) -> dict[str, int]:

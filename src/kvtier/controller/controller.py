@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from kvtier.controller.backups import Backups
 from kvtier.controller.context import CacheContext
-from kvtier.controller.handles import Hit, Loaded
+from kvtier.controller.handles import Held, Hit, Loaded
 from kvtier.controller.hints import HintBook, HintOutcome
 from kvtier.controller.jobs import PrefetchJob
 from kvtier.controller.loadback import LoadBack
@@ -28,7 +28,7 @@ from kvtier.controller.prefetch import Prefetcher
 from kvtier.controller.ranks import Collective, RankAgreement
 from kvtier.controller.rates import RateBook
 from kvtier.controller.split import plan_split
-from kvtier.controller.writes import HostWriter
+from kvtier.controller.writes import HostFill, HostWriter
 from kvtier.errors import PoolExhausted
 from kvtier.hints import CacheHint
 from kvtier.index.radix import as_token_bytes, salt_bytes
@@ -155,6 +155,23 @@ class CacheController:
         ctx.count("commit_tail_pages_total", stored)
         return stored
 
+    def hold(self, hit: Hit) -> Held:
+        """Pin ``hit``'s host prefix (stores' part landed first); see ``LoadBack.hold``."""
+        return self.loader.hold(hit)
+
+    def fill_host(self, tokens: Tokens, fill: HostFill, salt: bytes | str | None = None) -> int:
+        """Store the full pages of ``tokens`` past the host tier's prefix straight into host
+        pages written by ``fill`` (see ``HostWriter.fill``); returns the prompt's pages the
+        host tier holds or will hold once the write is over (0: no room)."""
+        if not self.ctx.has_host:
+            raise ValueError("fill_host needs a host tier")
+        data, key = as_token_bytes(tokens), salt_bytes(salt)
+        full = len(data) // self.ctx.step
+        match = self.ctx.index.match(data, key)
+        keys = self.ctx.keys(match, full)
+        self.ctx.count("fill_host_total")
+        return self.writer.fill(data, key, keys, fill, match)
+
     def host_pages(self, hit: Hit) -> int:
         """Pages of ``hit``'s prompt on the host tier from the root (0 without one)."""
         ctx = self.ctx
@@ -187,8 +204,16 @@ class CacheController:
                 raise ValueError(f"device page {page_id} (prompt page {page}) was not handed out "
                                  "by allocate or load")
 
-    def release(self, handle: Loaded | Hit) -> None:
+    def release(self, handle: Loaded | Hit | Held) -> None:
         """Unpin a ``Loaded`` (idempotent); a ``Hit`` only stops its early prefetch."""
+        if isinstance(handle, Held):
+            if not handle.released:
+                handle.released = True
+                if handle.ticket is not None:   # normally done: the copy that read them ended
+                    handle.ticket.wait(None)
+                self.ctx.unlock(handle._host_lock_node, "host")
+                handle._host_lock_node = None
+            return
         if isinstance(handle, Hit):
             task, handle._prefetch = handle._prefetch, None
             if task is not None:

@@ -1,6 +1,7 @@
-"""What the engine holds between calls: ``Hit`` (a match) and ``Loaded`` (pages pinned on device).
+"""What the engine holds between calls: ``Hit`` (a match), ``Loaded`` (pages pinned on device)
+and ``Held`` (pages pinned on host, for an engine that copies them itself).
 
-Owns the two handle types ``TieredCache`` returns. The public fields are agreed across ranks
+Owns the handle types ``TieredCache`` returns. The public fields are agreed across ranks
 (identical on every rank of a tensor-parallel group); fields starting with ``_`` are this rank's
 own view, used by the controller. Engine thread only.
 """
@@ -79,3 +80,27 @@ class Loaded:
     @property
     def pages(self) -> int:
         return len(self.device_page_ids)
+
+
+@dataclass(eq=False)
+class Held:
+    """Pages of a hit held on the host tier until ``release``: ``TieredCache.hold_host``'s
+    answer, for an engine that copies host pages into its own KV memory itself (no device
+    page of kvtier's in between).
+
+    ``host_page_ids[i]`` holds page ``i`` of the prompt; ``tokens`` (a multiple of the page
+    size) ends the usable prefix. ``ticket`` is the caller's: a copy still reading the pages
+    (anything with ``is_done()`` and ``wait(timeout_s)``), which ``release`` waits for before
+    the pages may be evicted or overwritten.
+    """
+
+    tokens: int
+    host_page_ids: list[int]
+    hit: Hit = field(repr=False)
+    _host_lock_node: Node | None = field(default=None, repr=False)
+    released: bool = False
+    ticket: Ticket | None = field(default=None, repr=False)
+
+    @property
+    def pages(self) -> int:
+        return len(self.host_page_ids)

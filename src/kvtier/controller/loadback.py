@@ -1,6 +1,8 @@
 """Load-back: bring a hit to device pages before the request runs (store -> host -> device).
 
-Owns ``LoadBack.load``, the one path by which a hit becomes device pages:
+Owns ``LoadBack.load``, the one path by which a hit becomes device pages, and ``LoadBack.hold``,
+its host-only twin for an engine that reads host pages itself (steps 1, 2 and the landing of
+step 4, then the host prefix pinned; one rank only):
 
 1. take the hit's walk of the index (walking again only if the index changed since ``match``),
    count the use, lock the device prefix and the host prefix that serve as sources;
@@ -35,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 from kvtier.controller.context import CacheContext
-from kvtier.controller.handles import Hit, Loaded
+from kvtier.controller.handles import Held, Hit, Loaded
 from kvtier.controller.prefetch import Prefetcher, PrefetchTask
 from kvtier.controller.ranks import RankAgreement
 from kvtier.controller.writes import HostWriter
@@ -97,6 +99,29 @@ class LoadBack:
         for page_id in loaded._private:
             self.private_owner[page_id] = loaded
         return loaded
+
+    def hold(self, hit: Hit) -> Held:
+        """Pin the host tier's prefix of ``hit``, with the part only stores hold landed in it
+        first (under the prefetch policy, like ``load``); nothing goes to device. A failure
+        is counted and holds nothing."""
+        ctx = self.ctx
+        plan = LoadPlan(hit._data, hit.salt)
+        held = Held(0, [], hit)
+        try:
+            if self._guard(lambda: self._prepare(plan, hit, 0)):
+                self._keep_landed(plan)
+                match = self._walk(plan)
+                end = min(match.depth_of("host"), hit.pages, match.prompt_pages)
+                node, plan.match = ctx.lock_on(match, end, "host")
+                held = Held(end * ctx.page_size, plan.match.ids("host", 0, end), hit, node)
+        finally:
+            ctx.unlock(plan.device_lock, "device")
+            ctx.unlock(plan.host_lock, "host")
+        ctx.count("hold_total")
+        ctx.count("held_tokens_total", held.tokens)
+        if plan.keys and held.tokens:
+            self.writer.after_load(plan.data, plan.salt, plan.keys, self._walk(plan))
+        return held
 
     def _guard(self, step: Callable[[], T]) -> T | None:
         try:

@@ -16,13 +16,17 @@ host prefix above it is locked on host, and its host pages belong to the copy (n
 on completion they are inserted (pages another copy already put there come back and are freed)
 and the path is handed to ``Backups``. Completions are taken in submission order.
 
+An engine that writes host pages itself (``fill``: an integration copying its own KV memory
+straight into host pages) gets host pages past the host prefix the same way; its write's
+ticket stands for the copy's, and the pages enter the index once it is done.
+
 Engine thread only: the copy engine's tickets are polled, never waited on, except by write-back.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -38,6 +42,8 @@ if TYPE_CHECKING:
     from kvtier.transfer.copy_engine import Ticket
 
 HOST = TIER_INDEX["host"]
+#: ``fill``'s writer: ``(first page, host page ids) -> ticket`` of the write it started.
+HostFill = Callable[[int, list[int]], "Ticket"]
 
 
 @dataclass
@@ -168,6 +174,39 @@ class HostWriter:
                                      match, used))
         self.poll()
         return lo - first + len(host_ids)
+
+    def fill(self, data: bytes, salt: bytes, keys: Sequence[bytes], fill: HostFill,
+             match: IndexMatch | None = None) -> int:
+        """Extend the host tier's prefix of a prompt with pages the caller writes itself:
+        ``fill(first, host_ids)`` must start writing pages ``[first, first + len(host_ids))``
+        (its KV, in kvtier's page layout) into those host pages and return a ticket of that
+        write; they enter the index once it is done (``poll``). Returns the pages of the prompt
+        the host tier holds or will hold once the write is over (``first + len(host_ids)``, or
+        its host depth when it held them all: nothing is written); 0 when the host tier had no
+        room. A ``fill`` that raises gives the pages back and raises."""
+        ctx = self.ctx
+        match = self._walk(data, salt, match)
+        lo, hi = match.depth_of("host"), len(keys)
+        if lo >= hi:
+            return lo
+        host_node, match = ctx.lock_on(match, lo, "host")     # the head stays while writing
+        host_ids = self._host_pages(hi - lo)
+        if not host_ids:
+            ctx.unlock(host_node, "host")
+            return 0
+        match = ctx.index.current(match)  # making room may have evicted other host pages
+        try:
+            ticket = fill(lo, host_ids)
+        except BaseException:
+            ctx.unlock(host_node, "host")
+            ctx.index.free("host", host_ids)
+            raise
+        ctx.host_outside += len(host_ids)
+        ctx.count("host_fill_pages_total", len(host_ids))
+        self.pending.append(HostCopy(ticket, data, salt, keys, lo, host_ids, None, host_node,
+                                     match))
+        self.poll()
+        return lo + len(host_ids)
 
     def _host_pages(self, wanted: int) -> list[int]:
         sizes = self.ctx.index.sizes("host")

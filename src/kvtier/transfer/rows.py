@@ -8,9 +8,11 @@ memory) or that keeps a layer's heads apart across blocks. Only the head dimensi
 contiguous; everything else is a stride, read from the engine's own tensor, so one kernel
 covers every layout such an engine may choose, and no staging copy or per-token index is formed.
 
-A copy may span layers: each side's layers come as a table of their byte addresses (an
-engine's layers are separate tensors, anywhere in memory, of one geometry), so one launch moves
-a request's blocks in every layer rather than one launch per layer. A work item is ``ROWS``
+Either side may be pinned host memory, which the kernel reads or writes through unified
+addressing (the table holds the driver's mapping of it). A copy may span layers: each side's
+layers come as a table of their byte addresses (an engine's layers are separate tensors,
+anywhere in memory, of one geometry), so one launch moves a request's blocks in every layer
+rather than one launch per layer. A work item is ``ROWS``
 consecutive rows (``token * heads + head``) of one part of one block pair of one layer: a
 ``[ROWS, COLS]`` tile loaded and stored once. Bytes are bytes: the copy runs in the widest
 integer unit (8, 4, 2 or 1 bytes) that divides the row size, every stride and every layer's
@@ -193,14 +195,18 @@ class RowCopy:
         if not srcs or len(srcs) != len(dsts):
             raise ValueError(f"{len(srcs)} source layers for {len(dsts)} destination layers")
         size = srcs[0].element_size()
-        device = dsts[0].device
+        # One side may be host memory the GPU maps (pinned): the copy runs on the other's GPU.
+        device = next((t.device for t in (*dsts, *srcs) if t.device.type == "cuda"),
+                      dsts[0].device)
         sg, dg = self.src_geometry, self.dst_geometry
         for name, tensors, geometry in (("source", srcs, sg), ("destination", dsts, dg)):
+            sides = {t.device for t in tensors}
+            if len(sides) > 1 or (sides != {device} and sides != {torch.device("cpu")}):
+                raise ValueError(f"the {name} layers are on {sorted(map(str, sides))}, "
+                                 f"not {device} or mapped host memory")
             for tensor in tensors:
                 if tensor.element_size() != size:
                     raise ValueError(f"element sizes differ: {srcs[0].dtype} and {tensor.dtype}")
-                if tensor.device != device:
-                    raise ValueError(f"the {name} layers are on {tensor.device}, not {device}")
                 room = tensor.untyped_storage().nbytes() - tensor.storage_offset() * size
                 if geometry.extent() * size > room:
                     raise ValueError(f"a {name} tensor holds {room} bytes from its first "
@@ -258,8 +264,29 @@ class BoundRowCopy:
 
 
 def _addresses(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Each tensor's first byte's address, as an int64 tensor on ``device`` (uploaded without
-    waiting for the stream)."""
-    table = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64,
-                         pin_memory=device.type == "cuda")
+    """Each tensor's first byte's address as ``device`` sees it, as an int64 tensor on
+    ``device`` (uploaded without waiting for the stream)."""
+    mapped = device.type == "cuda"
+    table = torch.tensor([device_address(t) if mapped else t.data_ptr() for t in tensors],
+                         dtype=torch.int64, pin_memory=mapped)
     return table.to(device, non_blocking=True)
+
+
+def device_address(tensor: torch.Tensor) -> int:
+    """The address a GPU kernel uses for ``tensor``'s first byte: its own on the GPU; for
+    pinned host memory the driver's mapping of it (``cuPointerGetAttribute``; registered
+    memory may be mapped elsewhere than its host address). Host memory the driver does not map
+    is refused here, before any kernel could fault on it."""
+    if tensor.device.type == "cuda":
+        return int(tensor.data_ptr())
+    import ctypes
+
+    driver = ctypes.CDLL("libcuda.so.1")
+    out = ctypes.c_uint64()
+    device_pointer = 3                      # CU_POINTER_ATTRIBUTE_DEVICE_POINTER
+    status = driver.cuPointerGetAttribute(ctypes.byref(out), device_pointer,
+                                          ctypes.c_uint64(tensor.data_ptr()))
+    if status != 0:
+        raise ValueError(f"host memory at {tensor.data_ptr():#x} is not mapped for the GPU "
+                         f"(cuPointerGetAttribute: {status}); pin it first")
+    return int(out.value)

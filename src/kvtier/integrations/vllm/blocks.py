@@ -1,4 +1,4 @@
-"""Whole-block copies between kvtier's device pool and vLLM's per-layer KV tensors, with kvtier's kernel.
+"""Whole-block copies between a kvtier pool and vLLM's per-layer KV tensors, with kvtier's kernel.
 
 Owns ``BlockCopier``, ``kernels_fit``, ``block_view`` and ``sub_pages``. One layer of one vLLM
 block holds ``block_size * kv_heads`` K rows and as many V rows of ``head_dim`` contiguous
@@ -49,12 +49,15 @@ DEVICE_PROGRAMS_PER_SM = 1
 
 
 def pool_rows(pool_kv: torch.Tensor) -> RowGeometry:
-    """One layer of kvtier's pool ``[layers, 2, pages, page_size, heads, dim]`` (contiguous) as
-    blocks of rows whose blocks are its pages (or sub-pages, through ``block_view``)."""
+    """One layer of a kvtier pool ``[layers, 2, pages, page_size, heads, dim]`` as blocks of
+    rows whose blocks are its pages (or sub-pages, through ``block_view``), strides read from
+    the tensor: the device pool (contiguous) or the host pool's pages (``direct.host_kv``)."""
     _, _, pages, page_size, heads, dim = pool_kv.shape
-    page = page_size * heads * dim
-    return RowGeometry(pages, page_size, heads, dim, block_stride=page,
-                       part_stride=pages * page, token_stride=heads * dim, head_stride=dim)
+    _, part, page, token, head, unit = pool_kv.stride()
+    if unit != 1:
+        raise ValueError(f"a pool whose head dimension has stride {unit}, not 1")
+    return RowGeometry(pages, page_size, heads, dim, block_stride=page, part_stride=part,
+                       token_stride=token, head_stride=head)
 
 
 def kernels_fit(layout: BlockLayout, kv: torch.Tensor, pool_kv: torch.Tensor,
@@ -99,13 +102,17 @@ class BlockCopier:
     block size) and vLLM's tensor of that layer."""
 
     def __init__(self, layout: BlockLayout, pool_kv: torch.Tensor,
-                 programs_per_sm: int = DEVICE_PROGRAMS_PER_SM) -> None:
+                 programs_per_sm: int = DEVICE_PROGRAMS_PER_SM,
+                 device: torch.device | None = None) -> None:
+        """``device``: where the copies run, when the pool is not there (host pages read and
+        written through unified addressing: the direct path)."""
         vllm_rows = layout.rows()
         if vllm_rows is None:
             raise ValueError(f"{layout.name or layout.kind} blocks cannot be copied by rows")
         self.layout = layout
         self.pool_kv = pool_kv
-        self.pool = pool_kv                     # the device the copies run on: ``pool.device``
+        self.pool = pool_kv
+        self.device = pool_kv.device if device is None else device   # where the copies run
         self.pool_rows = pool_rows(pool_kv)
         self.vllm_rows = vllm_rows
         self._load = RowCopy(self.pool_rows, vllm_rows, programs_per_sm=programs_per_sm)

@@ -6,7 +6,7 @@ value and what is allowed::
 
     {"disk_url": "file:///nvme/kvtier", "remote_url": "redis://10.0.0.5:6379/0",
      "page_size": 64, "host_pool_bytes": "4GiB", "staging_pages": 512,
-     "save_queue_depth": 8, "background_priority": "idle"}
+     "save_queue_depth": 8, "background_priority": "idle", "direct": false}
 
 Store keys are the fields of kvtier's ``store`` config section (same names, checks and defaults);
 ``config`` names a kvtier YAML file read first, and ``KVTIER_*`` environment variables apply as
@@ -54,6 +54,10 @@ CONFIG_KEYS: dict[str, str] = {
 #: free when the connector starts (after vLLM has taken its share).
 DEFAULT_STAGING_PAGES = 256
 
+#: kvtier device pages on the direct path (``"direct": true``), where nothing is staged: the
+#: pool's least size (``TieredCache`` keeps a device tier; the connector never fills it).
+DIRECT_DEVICE_PAGES = 1
+
 #: Grid cap of the GPU -> host copies of saved prompts when unset (``host.store_programs``).
 #: Saves cross the bus while vLLM's next prefills run; every program they hold is an SM those
 #: prefills lack, and a prefill produces KV at a few GB/s, well under what 4 programs store.
@@ -83,13 +87,17 @@ class VllmConnectorOptions:
     #: No ``staging_pages`` key given: on CUDA the runtime sizes the staging pool from vLLM's
     #: ``max_model_len`` and the free GPU memory (``runtime.default_staging_pages``).
     staging_from_default: bool = False
+    #: Loads and saves move between vLLM's blocks and kvtier's host pages directly (``direct``),
+    #: with no staging pages on the GPU.
+    direct: bool = False
 
     @property
     def store(self) -> StoreConfig:
         return self.config.store
 
 
-_OWN_KEYS = ("config", "model_fingerprint", "save_queue_depth", "background_priority")
+_OWN_KEYS = ("config", "model_fingerprint", "save_queue_depth", "background_priority",
+             "direct")
 
 
 def parse_connector_config(extra: Mapping[str, Any] | None, block_size: int,
@@ -106,9 +114,17 @@ def parse_connector_config(extra: Mapping[str, Any] | None, block_size: int,
     # Staging pages set nowhere (key, config file, KVTIER_* variable): the floor here, sized to
     # the model and the GPU when the runtime is built (``runtime.default_staging_pages``).
     set_elsewhere = explicit_paths(argparse.Namespace(config=section.get("config")), env)
+    direct = section.get("direct", False)
+    if not isinstance(direct, bool):
+        raise ConfigError("kv_connector_extra_config.direct", direct, "true or false")
+    if direct and "staging_pages" in section:
+        raise ConfigError("kv_connector_extra_config.staging_pages", section["staging_pages"],
+                          "left out with \"direct\": true (the direct path stages nothing)")
     staging_from_default = "staging_pages" not in section \
-        and "cache.device_pages" not in set_elsewhere
-    if staging_from_default:
+        and "cache.device_pages" not in set_elsewhere and not direct
+    if direct:
+        flags["cache.device_pages"] = DIRECT_DEVICE_PAGES
+    elif staging_from_default:
         flags["cache.device_pages"] = DEFAULT_STAGING_PAGES
     if "store_programs" not in section and "host.store_programs" not in set_elsewhere:
         flags["host.store_programs"] = DEFAULT_STORE_PROGRAMS
@@ -127,4 +143,4 @@ def parse_connector_config(extra: Mapping[str, Any] | None, block_size: int,
     return VllmConnectorOptions(config=config, model_fingerprint=fingerprint,
                                 page_size_from_block="page_size" not in section,
                                 save_queue_depth=depth, background_priority=priority,
-                                staging_from_default=staging_from_default)
+                                staging_from_default=staging_from_default, direct=direct)

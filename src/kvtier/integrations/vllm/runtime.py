@@ -166,7 +166,9 @@ class ConnectorRuntime:
         #: The workers copy every save inside the step that carries it (stream-ordered on
         #: CUDA; a rank's copies end in its step): no save waits on the saver thread to read
         #: vLLM's blocks. False on vLLM's CPU backend in one process (the saver copies there).
-        self.saves_in_step = on_cuda or shared is not None
+        self.saves_in_step = on_cuda or shared is not None or options.direct
+        #: Loads and saves go between vLLM's blocks and host pages (``direct``): no staging.
+        self.direct = options.direct
         self.lock = threading.RLock()
         self.staged: dict[str, Any] = {}      # request id -> kvtier Loaded, until its load ran
         self.counts: Counter[str] = Counter()
@@ -288,6 +290,10 @@ def _build(vllm_config: Any, kv_cache_config: Any, options: VllmConnectorOptions
     layout = shape.layout(page_size)
     namespace = KeyNamespace(shape.model, model_fingerprint(vllm_config, options.model_fingerprint),
                              shape.dtype, layout.fingerprint(), page_size)
+    if ranked and options.direct:
+        raise ConfigError("kv_connector_extra_config.direct", True, "false with workers in "
+                          "processes of their own (tensor parallelism): they share staging "
+                          "pages, not kvtier's host tier")
     device = "cpu" if ranked else _device(vllm_config)
     if options.staging_from_default and device.startswith("cuda"):
         options = with_staging_pages(options, default_staging_pages(
@@ -314,6 +320,11 @@ def _build(vllm_config: Any, kv_cache_config: Any, options: VllmConnectorOptions
                                                     ("remote", options.store.remote_url)) if u],
              f"{shape.tp_size} worker process(es) over a shared staging pool" if ranked
              else "worker in this process")
+    if options.direct:
+        log.info("kvtier connector: direct path: loads and saves move between vLLM's blocks "
+                 "and kvtier's host tier (%.2f GiB), no staging pages on %s",
+                 options.config.host.pool_bytes / 2**30, device)
+        return runtime
     staging = options.config.cache.device_pages
     log.info("kvtier connector: staging pool of %d pages (%.2f GiB on %s): prompts up to %d "
              "tokens are saved whole, longer ones are not stored (counted "

@@ -206,7 +206,7 @@ class SaveCopier:
             return False
         if save.kernel_plan is None:
             save.kernel_plan = self.blocks.plan("store", save.blocks.numpy(), save.pages.numpy())
-            save.kernel_ids = self.blocks.ids(save.kernel_plan, self.blocks.pool.device)
+            save.kernel_ids = self.blocks.ids(save.kernel_plan, self.blocks.device)
         return True
 
     def copy_layer(self, save: PromptSave, layer: int, kv_layer: torch.Tensor | None = None) -> None:

@@ -6,7 +6,8 @@ ids, token ids and block ids only.
 
 A hit is claimed only once it can be delivered: ``get_num_new_matched_tokens`` matches the
 prompt in kvtier's index over every tier (keys seeded with the request's ``cache_salt``) and
-then *loads* the hit into kvtier's staging pages right away, so every page has been read from
+then *loads* the hit into kvtier's staging pages right away (on the direct path, ``direct``:
+pins its host pages, the part only a store held landed there first), so every page has been read from
 its store and verified against the tokens it was computed for before vLLM hears a number. A page
 that is missing, corrupt or behind a dead store shortens the claim instead of failing the
 request later (vLLM 0.32's default ``kv_load_failure_policy`` ends a request on a reported load
@@ -174,9 +175,12 @@ class SchedulerSide:
         # join kvtier's device tier, where the next request with that prefix and this
         # request's own save find them (skipping them, measured on an H100, made shared-prefix
         # serving slower: benchmarks/results/vllm_serve_h100_skip_ab.txt).
-        left = len(prompt) - min(hit.tokens, len(prompt) - 1)
-        layerwise = left > max(rt.shape.full_graph_tokens, rt.page_size)
-        loaded = cache.load(hit, overlap=True, layerwise=layerwise)
+        if rt.direct:       # the host pages themselves, pinned; the worker copies them
+            loaded = cache.hold_host(hit)
+        else:
+            left = len(prompt) - min(hit.tokens, len(prompt) - 1)
+            layerwise = left > max(rt.shape.full_graph_tokens, rt.page_size)
+            loaded = cache.load(hit, overlap=True, layerwise=layerwise)
         rt.counts["lookup_us"] += int((time.perf_counter() - started) * 1e6)
         rt.counts["matched_tokens"] += hit.tokens
         rt.counts["staged_tokens"] += loaded.tokens

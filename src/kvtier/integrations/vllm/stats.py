@@ -47,6 +47,7 @@ EXPORTED: dict[str, str] = {
     "saves_refused_evicted": "Prompt saves refused: a reused staging page was evicted.",
     "saves_to_host_only": "Prompt saves of only the pages past a head held on host, to host.",
     "saves_refused_host_moved": "Prompt saves to host refused: the host tier lost their head.",
+    "saves_refused_no_host_room": "Prompt saves refused on the direct path: no host page free.",
     "saves_incomplete": "Prompt saves abandoned with layers not copied.",
     "saves_failed": "Prompt saves that raised (logged).",
     # The connector's CPU time inside vLLM's engine loop (microseconds): what it adds to a step.

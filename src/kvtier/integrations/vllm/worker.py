@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from kvtier.integrations.vllm.blocks import BlockCopier, block_view, kernels_fit
+from kvtier.integrations.vllm.direct import DirectCopies
 from kvtier.integrations.vllm.layout import BlockLayout, registered_layout
 from kvtier.integrations.vllm.runtime import ConnectorRuntime
 from kvtier.integrations.vllm.saves import SaveCopier
@@ -100,6 +101,8 @@ class WorkerSide:
         #: allows; None: on CUDA only (tests pass True to run them under TRITON_INTERPRET=1).
         self.use_kernels = use_kernels
         self.blocks: BlockCopier | None = None
+        #: The direct path's copies (``runtime.direct``): vLLM's blocks <-> host pages.
+        self.direct: DirectCopies | None = None
 
     # ---- set-up ----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], backend: str,
@@ -110,6 +113,9 @@ class WorkerSide:
         first = kv_caches[shape.layer_names[0]]
         self.kv_caches = {name: kv_caches[name] for name in shape.layer_names}
         self.layout = layout
+        if self.runtime.direct:
+            self._register_direct(layout, first)
+            return
         pool = self.runtime.cache.device_pool.kv
         wanted = first.device.type == "cuda" if self.use_kernels is None else self.use_kernels
         fits = all(kernels_fit(layout, kv, pool, self.runtime.page_size)
@@ -124,6 +130,20 @@ class WorkerSide:
                  layout.kind, layout.name or "vLLM's CPU blocks", layout.num_blocks,
                  layout.block_size,
                  "transfer kernels" if self.blocks is not None else "torch gathers")
+
+    def _register_direct(self, layout: BlockLayout, first: torch.Tensor) -> None:
+        self.direct = DirectCopies(self.runtime, list(self.kv_caches.values()), layout,
+                                   self.use_kernels)
+        self.blocks = self.direct.blocks
+        self.copier = SaveCopier(self.runtime, self.kv_caches, layout, None)
+        try:
+            self.direct.warm_up()
+        except Exception as exc:        # the engine starts regardless
+            log.warning("kvtier connector: the direct copies' warm-up failed (%s); they "
+                        "compile at first use", exc)
+        log.info("kvtier connector: %s KV layout (%s), %d blocks of %d tokens, direct to host "
+                 "pages by %s", layout.kind, layout.name or "vLLM's CPU blocks",
+                 layout.num_blocks, layout.block_size, self.direct.by)
 
     def _warm_up_blocks(self, kv: torch.Tensor) -> None:
         """Launch the block kernels once each way before the first request (vLLM warns of a
@@ -163,7 +183,7 @@ class WorkerSide:
         the request whose copy fills them: this step's stream then waits for those copies whole.
         """
         rt = self.runtime
-        if not rt.staged:
+        if not rt.staged or self.direct is not None:   # direct: nothing shares staged pages
             return
         with rt.lock:
             tickets = [loaded.ticket for loaded in rt.staged.values()]
@@ -173,6 +193,13 @@ class WorkerSide:
 
     def _plan_load(self, spec: LoadSpec) -> _Move | None:
         loaded = self.runtime.take_staged(spec.req_id)
+        if self.direct is not None:
+            if loaded is None or loaded.tokens < spec.end:
+                self._fail_load(spec, loaded)
+                return None
+            rows, slots, plan, ids = self.direct.plan_load(spec, loaded)
+            return _Move(spec.req_id, rows, slots.to(self.direct.device, non_blocking=True),
+                         loaded, plan=plan, ids=ids)
         if loaded is None or loaded.tokens < spec.end or loaded.start_tokens > spec.start:
             self._fail_load(spec, loaded)
             return None
@@ -195,7 +222,7 @@ class WorkerSide:
         move = _Move(spec.req_id, *self._upload(rows[~whole], slots[~whole]), loaded)
         if len(page_ids):
             move.plan = self.blocks.plan("load", page_ids, block_ids)
-            move.ids = self.blocks.ids(move.plan, self.blocks.pool.device)
+            move.ids = self.blocks.ids(move.plan, self.blocks.device)
         return move
 
     def _upload(self, rows: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,6 +257,11 @@ class WorkerSide:
             if layer in move.layers:
                 continue
             kv = self.kv_caches[layer_name]
+            if self.direct is not None:
+                self.direct.load_layer(layer, kv, move.rows, move.slots, move.plan, move.ids)
+                move.layers.add(layer)
+                self.runtime.counts["load_layer_copies"] += 1
+                continue
             if move.handle.ticket is not None:  # this layer's host -> pool copy may be in flight
                 move.handle.ticket.stream_wait(layer=layer)
             if self.blocks is not None and move.plan is not None:
@@ -255,6 +287,10 @@ class WorkerSide:
         """Release the step's loads (or hand them to the request's save) and store its saves
         (see the module docstring); never waits for the device."""
         loads = {move.req_id: move.handle for move in self._loads}
+        if self.direct is not None and loads:   # host pages stay pinned until read
+            ticket = self.direct.ticket()
+            for held in loads.values():
+                held.ticket = ticket
         self._check_loads_copied()
         self._loads = []
         if self.copy_in_step:
@@ -276,6 +312,13 @@ class WorkerSide:
         cache did not take go back."""
         copier = self.copier
         assert copier is not None, "wait_for_save before register_kv_caches"
+        if self.direct is not None:
+            for spec in meta.saves if meta is not None else ():
+                try:
+                    self.direct.save(spec)
+                except Exception:
+                    self._save_failed(spec.req_id)
+            return
         for spec in meta.saves if meta is not None else ():
             save = None
             try:

@@ -1,0 +1,145 @@
+"""kvtier's vLLM connector on the direct path (``"direct": true``), worker half, on the CPU:
+prompts saved from vLLM-shaped KV tensors straight into host pages load back byte for byte into
+other blocks, with kvtier's row kernel (under TRITON_INTERPRET=1) and with the torch gathers;
+the host pages are kvtier's canonical pages (the staged path and the stores read the same
+bytes); no staging page is used. No vLLM needed (the GPU version is in
+``test_vllm_copy_gpu``)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.layout import block_layout
+from kvtier.integrations.vllm.options import parse_connector_config
+from kvtier.integrations.vllm.specs import SaveSpec
+from vllm_copy_support import BACKENDS, Step, as_words, direct_round_trip, make_runtime, slots
+
+LAYERS, HEADS, DIM, BLOCK, NUM_BLOCKS = 2, 2, 16, 16, 12
+OLD, NEW = (5, 9, 2, 0, 7), (3, 11, 1, 8, 4)
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="the kernels run on the CPU only under TRITON_INTERPRET=1")
+
+
+def _prompt(n: int) -> list[int]:
+    return [(37 * i + 11) % 1000 + 5 for i in range(n)]
+
+
+@pytest.fixture(params=["page_first", "layer_first"])
+def runtime(request):
+    rt = make_runtime(LAYERS, HEADS, DIM, torch.bfloat16, BLOCK, "cpu", staging_pages=16,
+                      direct=True, host_layout=request.param)
+    assert rt.cache.host_pool.host_layout == request.param
+    yield rt
+    rt.close(5.0)
+
+
+def _check(kind_save, kind_load, source, target, count):
+    old, new = slots(OLD, BLOCK, count), slots(NEW, BLOCK, count)
+    for name in source:
+        save = block_layout(BACKENDS[kind_save], source[name], HEADS, DIM)
+        load = block_layout(BACKENDS[kind_load], target[name], HEADS, DIM)
+        for got, want in zip(load.read(target[name], new), save.read(source[name], old),
+                             strict=True):
+            assert torch.equal(as_words(got), as_words(want)), name
+        rest = torch.tensor(sorted(set(range(NUM_BLOCKS * BLOCK)) - set(new.tolist())))
+        for untouched in load.read(target[name], rest):
+            assert int(as_words(untouched).abs().sum()) == 0, f"{name}: a slot outside the load"
+
+
+def _check_canonical(runtime, kind, source, tokens):
+    """Every host page holds its tokens' K then V rows of every layer in kvtier's order."""
+    with runtime.lock:
+        held = runtime.cache.hold_host(runtime.cache.match(tokens))
+    try:
+        host = runtime.cache.host_pool     # its own byte arithmetic, not the connector's view
+        for layer, name in enumerate(runtime.shape.layer_names):
+            layout = block_layout(BACKENDS[kind], source[name], HEADS, DIM)
+            for page, host_id in enumerate(held.host_page_ids):
+                rows = layout.read(source[name], slots(OLD, BLOCK, len(tokens))[
+                    page * BLOCK:(page + 1) * BLOCK])
+                for part, want in enumerate(rows):
+                    got = host.part(host_id, layer, part).view(torch.int16).view(want.shape)
+                    assert torch.equal(got, as_words(want)), (layer, page, part)
+    finally:
+        with runtime.lock:
+            runtime.cache.release(held)
+
+
+def _check_no_staging(runtime):
+    stats = runtime.cache.stats()["counters"]
+    assert runtime.cache.device_pool.num_pages == 1
+    assert stats.get("load_back_pages_total", 0) == 0 and stats.get("commit_total", 0) == 0
+    assert stats["host_fill_pages_total"] > 0 and stats["hold_total"] > 0
+
+
+@interpreted
+@pytest.mark.parametrize("kind", ["nhd", "hnd"])
+@pytest.mark.parametrize("hooks", [True, False], ids=["per_layer", "whole"])
+def test_the_kernel_moves_blocks_to_host_pages_and_back_byte_exact(runtime, kind, hooks):
+    count = len(OLD) * BLOCK
+    tokens = _prompt(count + 3)
+    worker, source, target = direct_round_trip(runtime, kind, kind, NUM_BLOCKS, "cpu", tokens,
+                                               OLD, NEW, count - 5, use_kernels=True,
+                                               hooks=hooks)
+    assert worker.blocks is not None and worker.direct is not None
+    _check(kind, kind, source, target, count - 5)
+    _check_canonical(runtime, kind, source, tokens[:count])
+    _check_no_staging(runtime)
+
+
+@pytest.mark.parametrize("kind", ["nhd", "hnd", "cpu"])
+def test_torch_gathers_move_blocks_to_host_pages_and_back_byte_exact(runtime, kind):
+    count = len(OLD) * BLOCK
+    tokens = _prompt(count)
+    worker, source, target = direct_round_trip(runtime, kind, kind, NUM_BLOCKS, "cpu", tokens,
+                                               OLD, NEW, count - 5, use_kernels=False)
+    assert worker.blocks is None
+    _check(kind, kind, source, target, count - 5)
+    _check_canonical(runtime, kind, source, tokens)
+    _check_no_staging(runtime)
+
+
+@pytest.mark.parametrize("save_kind,load_kind", [("nhd", "cpu"), ("cpu", "hnd")])
+def test_a_prompt_saved_from_one_backend_loads_into_another(runtime, save_kind, load_kind):
+    count = len(OLD) * BLOCK
+    _, source, target = direct_round_trip(runtime, save_kind, load_kind, NUM_BLOCKS, "cpu",
+                                          _prompt(count), OLD, NEW, count, use_kernels=False)
+    _check(save_kind, load_kind, source, target, count)
+
+
+def test_held_host_pages_are_released_after_the_step_that_read_them(runtime):
+    count = len(OLD) * BLOCK
+    tokens = _prompt(count)
+    direct_round_trip(runtime, "cpu", "cpu", NUM_BLOCKS, "cpu", tokens, OLD, NEW, count,
+                      use_kernels=False)
+    assert "r" not in runtime.staged
+    with runtime.lock:
+        runtime.cache.check_integrity()
+        # Nothing holds the prompt's host pages any more: clearing the tier takes them.
+        runtime.cache.clear_tier("host")
+        assert runtime.cache.match(tokens).tokens_by_tier["host"] == 0
+
+
+def test_a_save_kvtier_holds_already_writes_nothing(runtime):
+    count = len(OLD) * BLOCK
+    tokens = _prompt(count)
+    worker, _, _ = direct_round_trip(runtime, "cpu", "cpu", NUM_BLOCKS, "cpu", tokens, OLD, NEW,
+                                     count, use_kernels=False)
+    before = runtime.cache.stats()["counters"]["host_fill_pages_total"]
+    worker.wait_for_save(Step(saves=[SaveSpec("again", tuple(tokens), None, OLD)]))
+    assert runtime.counts["saves_skipped_held"] == 1
+    assert runtime.cache.stats()["counters"]["host_fill_pages_total"] == before
+
+
+def test_direct_options_are_checked():
+    options = parse_connector_config({"direct": True}, 16)
+    assert options.direct and options.config.cache.device_pages == 1
+    assert not options.staging_from_default
+    with pytest.raises(ConfigError, match="direct"):
+        parse_connector_config({"direct": "yes"}, 16)
+    with pytest.raises(ConfigError, match="staging_pages"):
+        parse_connector_config({"direct": True, "staging_pages": 64}, 16)
