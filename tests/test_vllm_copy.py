@@ -19,6 +19,7 @@ from vllm_copy_support import (
     HeldCopy,
     Step,
     as_words,
+    check_moved,
     make_runtime,
     packed_kv,
     round_trip,
@@ -36,16 +37,8 @@ def _prompt(n: int) -> list[int]:
 
 
 def _check(save_kind, load_kind, source, target, count, block=BLOCK):
-    old, new = slots(OLD, block, count), slots(NEW, block, count)
-    for name in source:
-        save = block_layout(BACKENDS[save_kind], source[name], HEADS, DIM)
-        load = block_layout(BACKENDS[load_kind], target[name], HEADS, DIM)
-        for got, want in zip(load.read(target[name], new), save.read(source[name], old),
-                             strict=True):
-            assert torch.equal(as_words(got), as_words(want)), name
-        rest = torch.tensor(sorted(set(range(NUM_BLOCKS * block)) - set(new.tolist())))
-        for untouched in load.read(target[name], rest):
-            assert int(as_words(untouched).abs().sum()) == 0, f"{name}: a slot outside the load"
+    check_moved(save_kind, load_kind, source, target, slots(OLD, block, count),
+                slots(NEW, block, count), HEADS, DIM)
 
 
 @pytest.fixture

@@ -16,7 +16,15 @@ from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.layout import block_layout
 from kvtier.integrations.vllm.options import parse_connector_config
 from kvtier.integrations.vllm.specs import SaveSpec
-from vllm_copy_support import BACKENDS, Step, as_words, direct_round_trip, make_runtime, slots
+from vllm_copy_support import (
+    BACKENDS,
+    Step,
+    as_words,
+    check_moved,
+    direct_round_trip,
+    make_runtime,
+    slots,
+)
 
 LAYERS, HEADS, DIM, BLOCK, NUM_BLOCKS = 2, 2, 16, 16, 12
 OLD, NEW = (5, 9, 2, 0, 7), (3, 11, 1, 8, 4)
@@ -37,17 +45,9 @@ def runtime(request):
     rt.close(5.0)
 
 
-def _check(kind_save, kind_load, source, target, count):
-    old, new = slots(OLD, BLOCK, count), slots(NEW, BLOCK, count)
-    for name in source:
-        save = block_layout(BACKENDS[kind_save], source[name], HEADS, DIM)
-        load = block_layout(BACKENDS[kind_load], target[name], HEADS, DIM)
-        for got, want in zip(load.read(target[name], new), save.read(source[name], old),
-                             strict=True):
-            assert torch.equal(as_words(got), as_words(want)), name
-        rest = torch.tensor(sorted(set(range(NUM_BLOCKS * BLOCK)) - set(new.tolist())))
-        for untouched in load.read(target[name], rest):
-            assert int(as_words(untouched).abs().sum()) == 0, f"{name}: a slot outside the load"
+def _check(save_kind, load_kind, source, target, count, block=BLOCK):
+    check_moved(save_kind, load_kind, source, target, slots(OLD, block, count),
+                slots(NEW, block, count), HEADS, DIM)
 
 
 def _check_canonical(runtime, kind, source, tokens):

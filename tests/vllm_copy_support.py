@@ -135,7 +135,15 @@ def round_trip(runtime: ConnectorRuntime, save_kind: str, load_kind: str, num_bl
         runtime.staged["r"] = loaded
     if handles is not None:
         handles.append(loaded)
-    target = vllm_caches(runtime, load_kind, num_blocks, device, seed=None)
+    return worker, source, _load_staged(worker, load_kind, num_blocks, device, load_tokens,
+                                        new_blocks, hooks)
+
+
+def _load_staged(worker: WorkerSide, load_kind: str, num_blocks: int, device: str,
+                 load_tokens: int, new_blocks: tuple[int, ...], hooks: bool,
+                 ) -> dict[str, torch.Tensor]:
+    """Load the hit staged as ``"r"`` into zeroed ``load_kind`` tensors as one step does."""
+    target = vllm_caches(worker.runtime, load_kind, num_blocks, device, seed=None)
     worker.register_kv_caches(target, BACKENDS[load_kind])
     worker.start_load_kv(Step(loads=[LoadSpec("r", 0, load_tokens, new_blocks)]))
     if not hooks:
@@ -143,9 +151,9 @@ def round_trip(runtime: ConnectorRuntime, save_kind: str, load_kind: str, num_bl
     for name in target if hooks else ():
         worker.wait_for_layer_load(name)
     worker.wait_for_save(Step())
-    if on_cuda:
+    if device.startswith("cuda"):
         torch.cuda.synchronize()
-    return worker, source, target
+    return target
 
 
 def direct_round_trip(runtime: ConnectorRuntime, save_kind: str, load_kind: str,
@@ -166,17 +174,27 @@ def direct_round_trip(runtime: ConnectorRuntime, save_kind: str, load_kind: str,
     assert runtime.counts["saved_tokens"] == len(tokens) // runtime.page_size * runtime.page_size
     with runtime.lock:
         runtime.staged["r"] = runtime.cache.hold_host(runtime.cache.match(tokens))
-    target = vllm_caches(runtime, load_kind, num_blocks, device, seed=None)
-    worker.register_kv_caches(target, BACKENDS[load_kind])
-    worker.start_load_kv(Step(loads=[LoadSpec("r", 0, load_tokens, new_blocks)]))
-    if not hooks:
-        worker.load_all_layers()
-    for name in target if hooks else ():
-        worker.wait_for_layer_load(name)
-    worker.wait_for_save(Step())
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    return worker, source, target
+    return worker, source, _load_staged(worker, load_kind, num_blocks, device, load_tokens,
+                                        new_blocks, hooks)
+
+
+def check_moved(save_kind: str, load_kind: str, source: dict[str, torch.Tensor],
+                target: dict[str, torch.Tensor], was: torch.Tensor, now: torch.Tensor,
+                heads: int, dim: int) -> None:
+    """Rows at slots ``now`` of ``target`` equal ``source``'s at ``was`` bit for bit, and every
+    other slot of ``target`` is still zero."""
+    from kvtier.integrations.vllm.layout import block_layout
+
+    for name in source:
+        save = block_layout(BACKENDS[save_kind], source[name], heads, dim)
+        load = block_layout(BACKENDS[load_kind], target[name], heads, dim)
+        for got, want in zip(load.read(target[name], now), save.read(source[name], was),
+                             strict=True):
+            assert torch.equal(as_words(got), as_words(want)), name
+        slots_in_all = load.num_blocks * load.block_size
+        rest = torch.tensor(sorted(set(range(slots_in_all)) - set(now.tolist())))
+        for untouched in load.read(target[name], rest):
+            assert int(as_words(untouched).abs().sum()) == 0, f"{name}: a slot outside the load"
 
 
 class HeldCopy:
