@@ -11,6 +11,7 @@ block ids, the way a later request's hit arrives.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -159,11 +160,12 @@ def _load_staged(worker: WorkerSide, load_kind: str, num_blocks: int, device: st
 def direct_round_trip(runtime: ConnectorRuntime, save_kind: str, load_kind: str,
                       num_blocks: int, device: str, tokens: list[int],
                       old_blocks: tuple[int, ...], new_blocks: tuple[int, ...],
-                      load_tokens: int, use_kernels: bool, hooks: bool = True,
+                      load_tokens: int, use_kernels: bool,
                       ) -> tuple[WorkerSide, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """``round_trip`` on the direct path (``make_runtime(direct=True)``): the save goes from
     vLLM's blocks straight into host pages in ``wait_for_save``, the hit is held on host as the
-    scheduler half holds it, and the load copies host pages into the target's blocks."""
+    scheduler half holds it, and the load, started in ``start_load_kv``, copies host pages
+    into the target's blocks until the worker reports it received."""
     worker = WorkerSide(runtime, copy_in_step=True, use_kernels=use_kernels)
     source = vllm_caches(runtime, save_kind, num_blocks, device, seed=7)
     worker.register_kv_caches(source, BACKENDS[save_kind])
@@ -174,8 +176,18 @@ def direct_round_trip(runtime: ConnectorRuntime, save_kind: str, load_kind: str,
     assert runtime.counts["saved_tokens"] == len(tokens) // runtime.page_size * runtime.page_size
     with runtime.lock:
         runtime.staged["r"] = runtime.cache.hold_host(runtime.cache.match(tokens))
-    return worker, source, _load_staged(worker, load_kind, num_blocks, device, load_tokens,
-                                        new_blocks, hooks)
+    target = vllm_caches(runtime, load_kind, num_blocks, device, seed=None)
+    worker.register_kv_caches(target, BACKENDS[load_kind])
+    worker.start_load_kv(Step(loads=[LoadSpec("r", 0, load_tokens, new_blocks)]))
+    worker.wait_for_save(Step())
+    received: set[str] = set()
+    for _ in range(10_000):
+        received |= worker.take_received() or set()
+        if "r" in received:
+            break
+        time.sleep(0.001)
+    assert received == {"r"}
+    return worker, source, target
 
 
 def check_moved(save_kind: str, load_kind: str, source: dict[str, torch.Tensor],

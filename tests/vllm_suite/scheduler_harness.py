@@ -83,7 +83,8 @@ def make_request(tokens: list[int], block_size: int, salt: str | None = None,
 
 
 def runner_output(scheduler_output: Any, invalid_block_ids: set[int] | None = None,
-                  finished_sending: set[str] | None = None, worker_meta: Any = None) -> Any:
+                  finished_sending: set[str] | None = None, worker_meta: Any = None,
+                  finished_recving: set[str] | None = None) -> Any:
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
     req_ids = list(scheduler_output.num_scheduled_tokens)
@@ -92,6 +93,7 @@ def runner_output(scheduler_output: Any, invalid_block_ids: set[int] | None = No
         sampled_token_ids=[[7] for _ in req_ids],
         kv_connector_output=KVConnectorOutput(invalid_block_ids=invalid_block_ids or set(),
                                               finished_sending=finished_sending,
+                                              finished_recving=finished_recving,
                                               kv_connector_worker_meta=worker_meta))
 
 

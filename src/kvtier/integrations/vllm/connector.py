@@ -124,7 +124,10 @@ class KvtierConnector(KVConnectorBase_V1):
         # The blocks reported free must have been copied first: a finished request's save
         # rides in this step, which may have had no ``wait_for_save`` yet.
         self.wait_for_save()
-        return self.worker.get_finished(finished_req_ids), None   # loads finish inside the step
+        sending = self.worker.get_finished(finished_req_ids)
+        if isinstance(self.worker, WorkerSide):      # the direct path's loads are asynchronous
+            return sending, self.worker.take_received()
+        return sending, None                         # loads finish inside the step
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()

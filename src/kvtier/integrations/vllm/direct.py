@@ -2,32 +2,41 @@
 staging pages of kvtier's on the GPU (connector key ``"direct": true``).
 
 Owns ``host_kv`` (the host pool's bytes seen as a ``[layers, K|V, pages, page_size, heads,
-head_dim]`` tensor, no copy), ``EventTicket`` (a copy queued on a CUDA stream, as the cache's
-tickets go) and ``DirectCopies``, the tensor work of the path:
+head_dim]`` tensor, no copy), ``EventTicket`` (copies queued on a CUDA stream, as the cache's
+tickets go) and ``DirectCopies``, the tensor work of the path. Every copy crosses the bus once,
+on a CUDA stream of its own (``DirectCopies.stream``), beside the forward rather than inside it:
 
 - a load copies the host pages a hit holds (``TieredCache.hold_host``: verified, pinned; the
-  part only a store held landed there first) into vLLM's blocks, layer by layer as the
-  forward reaches each layer (or every layer before a full CUDA graph's replay), on the
-  forward's stream; the pages stay pinned until that step's copies are over (``EventTicket``);
-- a save writes the prompt's pages the host tier lacks straight from vLLM's blocks into host
-  pages (``TieredCache.save_host``), every layer in one launch on the forward's stream once
-  the forward is queued; they enter kvtier's index when that launch is over, and go on to the
-  stores from there as any host page does.
+  part only a store held landed there first) into vLLM's blocks, every layer in one launch,
+  ordered after the work already queued on the forward's stream (the last user of those
+  blocks) and running while the next forwards compute. The request waits for it outside the
+  step, as vLLM's asynchronous loads go (``get_num_new_matched_tokens`` answers
+  ``load_kv_async``), and runs once the worker reports it received. Whole blocks move, the
+  request's last one included when its page is held (the rows past the claim are ones the
+  request computes itself afterwards); the host pages stay pinned until the copy is over;
+- a save writes the prompt's pages the host tier lacks from vLLM's blocks into host pages
+  (``TieredCache.save_host``), every layer in one launch ordered after the forward that
+  computed them; they enter kvtier's index when it is over, and go on to the stores from there
+  as any host page does. vLLM keeps a finished request's blocks until its saves are over (the
+  scheduler half marks it ``held``), and a preempted request's blocks are reused only after
+  them (the forward's stream waits for them).
 
 On CUDA the copies are kvtier's row kernel (``transfer.rows``) reading or writing pinned host
 memory through unified addressing, where vLLM's layout has contiguous head rows and the kvtier
 page is one vLLM block (``page_size`` = block size, the default); otherwise torch gathers by
-row (vLLM's CPU backend, where host pages are plain memory; on CUDA they go through the host
-and wait, and the start-up log says so). Compared with the staged path, every load and save
-crosses the bus once with nothing in between, and vLLM keeps the GPU memory the staging pages
-would take; kvtier's device tier is not used. One worker in the engine-core process only
-(refused with tensor parallelism at start). Runs on vLLM's model-runner thread.
+row (vLLM's CPU backend, where host pages are plain memory and copies are over when they
+return; on CUDA they go through the host and wait, and the start-up log says so). vLLM keeps
+the GPU memory staging pages would take; kvtier's device tier is not used. One worker in the
+engine-core process only (refused with tensor parallelism at start). Runs on vLLM's
+model-runner thread.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -65,13 +74,18 @@ class DoneTicket:
     def wait(self, timeout_s: float | None = None) -> bool:
         return True
 
+    def stream_wait(self, device: torch.device) -> None:
+        """Nothing to wait for."""
+
 
 class EventTicket:
-    """Copies queued on the current CUDA stream of ``device`` up to now."""
+    """Copies queued on the current CUDA stream of ``device`` up to now; ``keep`` holds the
+    tensors they read (index uploads) until the ticket is dropped."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, keep: tuple[Any, ...] = ()) -> None:
         self.event = torch.cuda.Event()
         self.event.record(torch.cuda.current_stream(device))
+        self.keep = keep
 
     def is_done(self) -> bool:
         return bool(self.event.query())
@@ -86,6 +100,13 @@ class EventTicket:
                 return False
             time.sleep(0.0005)
         return True
+
+    def stream_wait(self, device: torch.device) -> None:
+        """Make the current stream of ``device`` wait for these copies (no host wait)."""
+        torch.cuda.current_stream(device).wait_event(self.event)
+
+
+Ticket = DoneTicket | EventTicket
 
 
 def kernels_fit_host(layout: BlockLayout, kv: torch.Tensor, pool: torch.Tensor,
@@ -110,6 +131,8 @@ class DirectCopies:
         fits = all(kernels_fit_host(layout, kv, self.pool, runtime.page_size) for kv in kv_caches)
         self.blocks = (BlockCopier(layout, self.pool, device=self.device)
                        if wanted and fits else None)
+        #: The path's copies run here, beside the forward (CUDA; None on the CPU).
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     @property
     def by(self) -> str:
@@ -132,74 +155,99 @@ class DirectCopies:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def ticket(self) -> DoneTicket | EventTicket:
-        """A ticket of every copy queued so far on this thread's stream."""
-        return EventTicket(self.device) if self.device.type == "cuda" else DoneTicket()
+    @contextmanager
+    def _beside(self) -> Iterator[None]:
+        """Queue the block of copies on the path's stream, after everything the forward's
+        stream holds now (on the CPU: right here)."""
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def _ticket(self, keep: tuple[Any, ...] = ()) -> Ticket:
+        return EventTicket(self.device, keep) if self.device.type == "cuda" else DoneTicket()
 
     # ---- loads -------------------------------------------------------------------------------
+    def load(self, spec: LoadSpec, held: Any) -> Ticket:
+        """Queue the copy of ``spec``'s tokens (whole blocks: see the module docstring) from
+        the held host pages into vLLM's blocks; the ticket says when it is over."""
+        rows, slots, plan = self.plan_load(spec, held)
+        with self._beside():
+            ids = self.blocks.ids(plan, self.device) if plan is not None else None
+            if plan is not None:
+                assert self.blocks is not None
+                self.blocks.copy_layers(plan, self.kv_caches, ids)
+            if len(rows):
+                self._load_rows(rows, slots)
+            return self._ticket((ids,))
+
     def plan_load(self, spec: LoadSpec, held: Any) -> tuple[torch.Tensor, torch.Tensor,
-                                                           BlockPlan | None, Any]:
-        """Rows of ``spec``'s tokens to copy by row (host rows ``page * page_size + offset``,
-        vLLM slots) and the kernel's plan and ids for the blocks it moves whole."""
+                                                           BlockPlan | None]:
+        """Rows to copy by row (host rows ``page * page_size + offset``, vLLM slots) and the
+        kernel's plan of the blocks it moves whole. The claim's last block is copied whole:
+        held pages are whole pages, so its page is held."""
         page, block = self.runtime.page_size, self.layout.block_size
-        tokens = torch.arange(spec.start, spec.end)
+        end = -(-spec.end // block) * block
+        tokens = torch.arange(spec.start, end)
         pages = torch.tensor(held.host_page_ids, dtype=torch.long)
         rows = pages[tokens // page] * page + tokens % page
         table = torch.tensor(spec.block_ids, dtype=torch.long)
         slots = table[tokens // block] * block + tokens % block
         if self.blocks is None:
-            return rows, slots, None, None
-        first, stop = -(-spec.start // block), spec.end // block      # whole blocks
+            return rows, slots, None
+        first, stop = -(-spec.start // block), end // block      # whole blocks
         whole = (tokens >= first * block) & (tokens < stop * block)
-        plan = ids = None
+        plan = None
         if stop > first:
             plan = self.blocks.plan("load", pages[first:stop].numpy(),
                                     np.asarray(spec.block_ids[first:stop]))
-            ids = self.blocks.ids(plan, self.device)
-        return rows[~whole], slots[~whole], plan, ids
+        return rows[~whole], slots[~whole], plan
 
-    def load_layer(self, layer: int, kv: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
-                   plan: BlockPlan | None, ids: Any) -> None:
-        """Copy one layer of a planned load into ``kv`` on the current stream."""
-        if plan is not None:
-            assert self.blocks is not None
-            self.blocks.copy(plan, layer, kv, ids)
-        if len(rows):
-            page = self.runtime.page_size
-            at = (rows // page, rows % page)
-            keys, values = self.pool[layer, 0][at], self.pool[layer, 1][at]
-            self.layout.write(kv, slots.to(kv.device), keys.to(kv.device),
-                              values.to(kv.device))
+    def _load_rows(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Rows of every layer by gathers: one read of the host pool, one upload."""
+        page = self.runtime.page_size
+        picked = self.pool[:, :, rows // page, rows % page]   # [layers, 2, n, heads, dim]
+        if self.device.type == "cuda":
+            picked = picked.pin_memory().to(self.device, non_blocking=True)
+        on_device = slots.to(self.device, non_blocking=True)
+        for layer, kv in enumerate(self.kv_caches):
+            self.layout.write(kv, on_device, picked[layer, 0], picked[layer, 1])
 
     # ---- saves -------------------------------------------------------------------------------
-    def save(self, spec: SaveSpec) -> int:
-        """Store ``spec``'s full pages the host tier lacks from vLLM's blocks straight into host
-        pages; returns the tokens written (0: held already, or no room on host)."""
+    def save(self, spec: SaveSpec) -> Ticket:
+        """Store ``spec``'s full pages the host tier lacks from vLLM's blocks into host pages;
+        the ticket says when the blocks have been read (done at once when nothing was copied:
+        held already, or no room on host)."""
         rt = self.runtime
-        written = [0]
+        tickets: list[Ticket] = []
 
-        def fill(first: int, host_ids: list[int]) -> DoneTicket | EventTicket:
-            self._copy_out(spec, first, host_ids)
-            written[0] = len(host_ids) * rt.page_size
-            return self.ticket()
+        def fill(first: int, host_ids: list[int]) -> Ticket:
+            with self._beside():
+                ids = self._copy_out(spec, first, host_ids)
+                tickets.append(self._ticket((ids,)))
+            rt.counts["saved_tokens"] += len(host_ids) * rt.page_size
+            return tickets[0]
 
         with rt.lock:
             pages = rt.cache.save_host(list(spec.tokens), fill, spec.salt)
             if not pages:
                 rt.counts["saves_refused_no_host_room"] += 1
-            elif not written[0]:
+            elif not tickets:
                 rt.counts["saves_skipped_held"] += 1
-            rt.counts["saved_tokens"] += written[0]
-        return written[0]
+        return tickets[0] if tickets else DoneTicket()
 
-    def _copy_out(self, spec: SaveSpec, first: int, host_ids: list[int]) -> None:
-        """Pages ``[first, first + len(host_ids))`` of ``spec`` into ``host_ids``, every layer."""
+    def _copy_out(self, spec: SaveSpec, first: int, host_ids: list[int]) -> Any:
+        """Pages ``[first, first + len(host_ids))`` of ``spec`` into ``host_ids``, every layer;
+        returns the tensors the queued copy reads."""
         page, block = self.runtime.page_size, self.layout.block_size
         if self.blocks is not None:           # one block per page
             blocks = np.asarray(spec.block_ids[first:first + len(host_ids)])
             plan = self.blocks.plan("store", blocks, np.asarray(host_ids))
-            self.blocks.copy_layers(plan, self.kv_caches, self.blocks.ids(plan, self.device))
-            return
+            ids = self.blocks.ids(plan, self.device)
+            self.blocks.copy_layers(plan, self.kv_caches, ids)
+            return ids
         tokens = torch.arange(first * page, (first + len(host_ids)) * page)
         table = torch.tensor(spec.block_ids, dtype=torch.long)
         slots = (table[tokens // block] * block + tokens % block).to(self.device)
@@ -208,3 +256,4 @@ class DirectCopies:
             keys, values = self.layout.read(kv, slots)
             self.pool[layer, 0][at] = keys.to("cpu", self.pool.dtype)
             self.pool[layer, 1][at] = values.to("cpu", self.pool.dtype)
+        return slots

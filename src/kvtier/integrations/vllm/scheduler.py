@@ -11,7 +11,10 @@ pins its host pages, the part only a store held landed there first), so every pa
 its store and verified against the tokens it was computed for before vLLM hears a number. A page
 that is missing, corrupt or behind a dead store shortens the claim instead of failing the
 request later (vLLM 0.32's default ``kv_load_failure_policy`` ends a request on a reported load
-error). The worker half then only copies staged rows into vLLM's blocks, layer by layer. On CUDA
+error). On the direct path the claim is asynchronous (vLLM's ``load_kv_async``): the request
+waits outside the step while the worker copies the held host pages into its blocks beside the
+forward, and runs once the worker reports it received. Otherwise the worker half only copies
+staged rows into vLLM's blocks, layer by layer, inside the step. On CUDA
 the last leg, host tier -> staging pages, is left in flight on kvtier's load stream: the
 scheduling thread does not wait for the bus, and the forward waits on the device for each
 layer's pages just before it copies them into vLLM's blocks. With a forward left to overlap
@@ -40,7 +43,9 @@ output filled more pages (prompt and output together). Where the workers copy sa
 step (``runtime.saves_in_step``: CUDA; and workers in processes of their own) that finished
 request's save rides in the next step's metadata with a ``held`` mark: ``request_finished``
 keeps its blocks, and the worker reports them free (``get_finished``) in the step that copied
-them. Otherwise (vLLM's CPU backend in one process) the runtime's saver thread copies after
+them. On the direct path every finished request with a save keeps its blocks that way (its
+saves run beside the forward, and the worker reports the blocks free once they are over).
+Otherwise (vLLM's CPU backend in one process) the runtime's saver thread copies after
 the step, and ``request_finished`` keeps the blocks until it is over. A preempted request is
 stored again once it resumes.
 """
@@ -103,6 +108,7 @@ class _Tracked:
     held: int = 0                                  # prompt tokens kvtier staged (it holds them)
     off: bool = False                              # the request opted out of kvtier
     landing: Any = None                            # its hit, while a store's part lands
+    saving: bool = False                           # a save of it was sent to the workers
 
 
 class SchedulerSide:
@@ -117,6 +123,8 @@ class SchedulerSide:
         self.ranked = RankedSteps(runtime) if runtime.ranked else None
         #: Finished requests' saves for the next step's workers (their blocks wait for it).
         self._generated: list[SaveSpec] = []
+        #: Direct path: finished requests whose blocks vLLM keeps until their saves are over.
+        self._held: list[str] = []
 
     # ---- admission -------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any,
@@ -142,7 +150,9 @@ class SchedulerSide:
             tracked.claim = None
             return 0, False
         tracked.claim = (num_computed_tokens, end)
-        return end - num_computed_tokens, False
+        # The direct path loads beside the forward: the request waits outside the step until
+        # the worker reports it received (``WorkerSide.take_received``).
+        return end - num_computed_tokens, rt.direct
 
     def _stage(self, tracked: _Tracked, prompt: list[int], salt: str | None,
                num_computed_tokens: int) -> Any:
@@ -254,9 +264,10 @@ class SchedulerSide:
                 lock.release()
         self._stepping = set(scheduler_output.num_scheduled_tokens)
         full_graph = self.runtime.shape.full_graph_tokens
+        in_step = bool(self._loads) and not self.runtime.direct   # direct: loaded beside it
         meta = KvtierConnectorMetadata(
             loads=self._loads, preempted=sorted(scheduler_output.preempted_req_ids or ()),
-            whole_loads=bool(self._loads) and 0 < scheduler_output.total_num_scheduled_tokens
+            whole_loads=in_step and 0 < scheduler_output.total_num_scheduled_tokens
             <= full_graph)
         self._loads = []
         for req_id in meta.preempted:       # its save may be cancelled: save it once it resumes
@@ -282,8 +293,8 @@ class SchedulerSide:
             self._maybe_save(meta, tracked, cached.num_computed_tokens[i],
                              scheduler_output.num_scheduled_tokens.get(req_id, 0))
         meta.saves.extend(self._generated)
-        meta.held = [spec.req_id for spec in self._generated]
-        self._generated = []
+        meta.held = [spec.req_id for spec in self._generated] + self._held
+        self._generated, self._held = [], []
         if self.ranked is not None:
             self.ranked.prepare(meta)
         return meta
@@ -308,6 +319,7 @@ class SchedulerSide:
         blocks = tuple(tracked.blocks[: -(-full // block_size)])
         meta.saves.append(SaveSpec(request.request_id, tuple(prompt[:full]), request.cache_salt,
                                    blocks))
+        tracked.saving = True
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, None]:
         """Store the full pages the generated tokens added (a chat's next turn starts with
@@ -323,6 +335,9 @@ class SchedulerSide:
         if tracked is not None and tracked.stored and not tracked.off and not \
                 self.runtime.shape.refused and self._save_generated(request,
                                                                     list(block_ids or ())):
+            return True, None
+        if tracked is not None and tracked.saving and self.runtime.direct:
+            self._held.append(request.request_id)    # its save may still read the blocks
             return True, None
         return self.runtime.saver.hold_blocks(request.request_id), None
 

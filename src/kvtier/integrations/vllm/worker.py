@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from kvtier.integrations.vllm.blocks import BlockCopier, block_view, kernels_fit
-from kvtier.integrations.vllm.direct import DirectCopies
+from kvtier.integrations.vllm.direct import DirectCopies, Ticket
 from kvtier.integrations.vllm.layout import BlockLayout, registered_layout
 from kvtier.integrations.vllm.runtime import ConnectorRuntime
 from kvtier.integrations.vllm.saves import SaveCopier
@@ -103,6 +103,13 @@ class WorkerSide:
         self.blocks: BlockCopier | None = None
         #: The direct path's copies (``runtime.direct``): vLLM's blocks <-> host pages.
         self.direct: DirectCopies | None = None
+        #: Direct path: loads in flight (ticket, held host pages) by request; requests whose
+        #: load is over or failed, for ``take_received``; the last save's ticket of each
+        #: running request; finished requests whose blocks vLLM keeps until that ticket.
+        self._receiving: dict[str, tuple[Ticket, Any]] = {}
+        self._received: set[str] = set()
+        self._saving: dict[str, Ticket] = {}
+        self._releasing: dict[str, Ticket | None] = {}
 
     # ---- set-up ----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], backend: str,
@@ -172,6 +179,10 @@ class WorkerSide:
     # ---- loads -----------------------------------------------------------------------------
     def start_load_kv(self, meta: KvtierConnectorMetadata) -> None:
         self._release_landed()
+        if self.direct is not None:
+            for spec in meta.loads:
+                self._start_direct_load(spec)
+            return
         self._loads = [m for m in map(self._plan_load, meta.loads) if m is not None]
         self._wait_for_other_copies()
 
@@ -191,15 +202,37 @@ class WorkerSide:
             if ticket is not None and not ticket.is_done():
                 ticket.stream_wait()
 
+    def _start_direct_load(self, spec: LoadSpec) -> None:
+        """Queue an asynchronous load of the direct path (the request waits outside the step
+        until ``take_received`` names it); a hit no longer held is reported failed at once."""
+        assert self.direct is not None
+        held = self.runtime.take_staged(spec.req_id)
+        if held is None or held.tokens < spec.end:
+            self._fail_load(spec, held)
+            self._received.add(spec.req_id)
+            return
+        try:
+            ticket = self.direct.load(spec, held)
+        except Exception:
+            log.exception("kvtier connector: loading request %s failed; vLLM recomputes it",
+                          spec.req_id)
+            self._fail_load(spec, held)
+            self._received.add(spec.req_id)
+            return
+        held.ticket = ticket            # its host pages stay pinned until the copy is over
+        self._receiving[spec.req_id] = (ticket, held)
+        self.runtime.counts["loads_async"] += 1
+
+    def take_received(self) -> set[str] | None:
+        """Direct path: requests whose load is over (their held pages go back) or failed."""
+        done = [req for req, (ticket, _) in self._receiving.items() if ticket.is_done()]
+        if done:
+            self.copier.release([self._receiving.pop(req)[1] for req in done])
+        received, self._received = self._received | set(done), set()
+        return received or None
+
     def _plan_load(self, spec: LoadSpec) -> _Move | None:
         loaded = self.runtime.take_staged(spec.req_id)
-        if self.direct is not None:
-            if loaded is None or loaded.tokens < spec.end:
-                self._fail_load(spec, loaded)
-                return None
-            rows, slots, plan, ids = self.direct.plan_load(spec, loaded)
-            return _Move(spec.req_id, rows, slots.to(self.direct.device, non_blocking=True),
-                         loaded, plan=plan, ids=ids)
         if loaded is None or loaded.tokens < spec.end or loaded.start_tokens > spec.start:
             self._fail_load(spec, loaded)
             return None
@@ -257,11 +290,6 @@ class WorkerSide:
             if layer in move.layers:
                 continue
             kv = self.kv_caches[layer_name]
-            if self.direct is not None:
-                self.direct.load_layer(layer, kv, move.rows, move.slots, move.plan, move.ids)
-                move.layers.add(layer)
-                self.runtime.counts["load_layer_copies"] += 1
-                continue
             if move.handle.ticket is not None:  # this layer's host -> pool copy may be in flight
                 move.handle.ticket.stream_wait(layer=layer)
             if self.blocks is not None and move.plan is not None:
@@ -286,11 +314,10 @@ class WorkerSide:
     def wait_for_save(self, meta: KvtierConnectorMetadata) -> None:
         """Release the step's loads (or hand them to the request's save) and store its saves
         (see the module docstring); never waits for the device."""
+        if self.direct is not None:
+            self._direct_saves(meta)
+            return
         loads = {move.req_id: move.handle for move in self._loads}
-        if self.direct is not None and loads:   # host pages stay pinned until read
-            ticket = self.direct.ticket()
-            for held in loads.values():
-                held.ticket = ticket
         self._check_loads_copied()
         self._loads = []
         if self.copy_in_step:
@@ -312,13 +339,6 @@ class WorkerSide:
         cache did not take go back."""
         copier = self.copier
         assert copier is not None, "wait_for_save before register_kv_caches"
-        if self.direct is not None:
-            for spec in meta.saves if meta is not None else ():
-                try:
-                    self.direct.save(spec)
-                except Exception:
-                    self._save_failed(spec.req_id)
-            return
         for spec in meta.saves if meta is not None else ():
             save = None
             try:
@@ -336,6 +356,21 @@ class WorkerSide:
                 except Exception:
                     self._save_failed(spec.req_id)
                     copier.abandon(save)    # frees only the pages the cache did not take
+
+    def _direct_saves(self, meta: KvtierConnectorMetadata | None) -> None:
+        """Direct path: queue the step's saves beside the forward; a finished request's blocks
+        are reported free once its last save has read them (``get_finished``)."""
+        assert self.direct is not None
+        for req, ticket in list(self._saving.items()):
+            if ticket.is_done():
+                del self._saving[req]
+        for spec in meta.saves if meta is not None else ():
+            try:
+                self._saving[spec.req_id] = self.direct.save(spec)
+            except Exception:
+                self._save_failed(spec.req_id)
+        for req in meta.held if meta is not None else ():
+            self._releasing[req] = self._saving.pop(req, None)
 
     def _save_failed(self, req_id: str) -> None:
         self.runtime.counts["saves_failed"] += 1
@@ -376,15 +411,27 @@ class WorkerSide:
 
     def handle_preemptions(self, meta: KvtierConnectorMetadata) -> None:
         """vLLM frees preempted requests' blocks before this step's forward: stop reading them."""
-        if meta.preempted:
+        if not meta.preempted:
+            return
+        if self.direct is None:
             self.runtime.saver.cancel(meta.preempted)
+            return
+        for req in meta.preempted:          # their blocks are reused only after being read
+            ticket = self._saving.pop(req, None)
+            if ticket is not None and not ticket.is_done():
+                ticket.stream_wait(self.direct.device)
 
     def get_finished(self, finished_req_ids: set[str]) -> set[str] | None:
         """Finished requests whose blocks vLLM kept for a save and may now free: those this
         step's saves copied (stream-ordered before any later write to them), and on the saver's
         path those whose save has stopped reading them."""
         done, self._copied = self._copied, set()
-        if not self.copy_in_step:
+        if self.direct is not None:
+            done = {req for req, ticket in self._releasing.items()
+                    if ticket is None or ticket.is_done()}
+            for req in done:
+                del self._releasing[req]
+        elif not self.copy_in_step:
             self._finished.update(finished_req_ids)
             done = self.runtime.saver.take_released(self._finished)
             self._finished -= done
