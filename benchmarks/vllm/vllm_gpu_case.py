@@ -23,7 +23,8 @@ VARIANTS = {"kvtier_kernel": {"copy_path": "kernel"},
             "kvtier_ce128": {"copy_path": "copy_engine", "page_size": 128},
             "kvtier_lp0": {"load_programs": 0},
             "kvtier_lp16": {"load_programs": 16},
-            "kvtier_sp4": {"store_programs": 4}}
+            "kvtier_sp4": {"store_programs": 4},
+            "kvtier_direct": {"direct": True}}
 CASES = ("recompute", "alone", "native", "kvtier", *VARIANTS, "disk_store", "disk_hit")
 KVTIER_CASES = ("kvtier", *VARIANTS, "disk_store", "disk_hit")
 TOKEN_LOW, TOKEN_HIGH = 5, 1000            # ordinary tokens of kvtier's tiny tokenizer
@@ -83,6 +84,8 @@ class Case:
             if self.name.startswith("disk"):
                 extra["disk_url"] = f"file://{a.disk_dir}"
             extra.update(VARIANTS.get(self.name, {}))
+            if extra.get("direct"):             # the direct path stages nothing
+                del extra["staging_pages"]
             kw["kv_transfer_config"] = KVTransferConfig(
                 kv_connector="KvtierConnector",
                 kv_connector_module_path="kvtier.integrations.vllm",
