@@ -30,6 +30,13 @@ Owns ``WorkerSide``. Runs on vLLM's model-runner thread, inside the forward:
   waits on a store: a full queue or no staging pages drop the save (counted), and a commit
   that fails is counted (``saves_failed``) and logged, never raised into vLLM.
 
+On the direct path (``runtime.direct``, ``direct.DirectCopies``) none of the above runs inside
+the step: ``start_load_kv`` queues each load beside the forward and ``take_received`` names the
+requests whose load is over (vLLM then schedules them); ``wait_for_save`` queues the step's
+saves the same way, ``get_finished`` reports a finished request's blocks free once its last
+save has read them, and ``handle_preemptions`` makes the forward wait for the saves still
+reading a preempted request's blocks.
+
 ``register_kv_caches`` launches the block kernels once each way (``_warm_up_blocks``), so
 that none is compiled inside a request.
 
