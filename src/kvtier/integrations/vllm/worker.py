@@ -368,14 +368,21 @@ class WorkerSide:
         """Direct path: queue the step's saves beside the forward; a finished request's blocks
         are reported free once its last save has read them (``get_finished``)."""
         assert self.direct is not None
-        for req, ticket in list(self._saving.items()):
-            if ticket.is_done():
-                del self._saving[req]
+        # Oldest first: the copies run in order on one stream, so the first one still running
+        # ends the scan (a step does not query every running request's event).
+        while self._saving:
+            req, ticket = next(iter(self._saving.items()))
+            if not ticket.is_done():
+                break
+            del self._saving[req]
         for spec in meta.saves if meta is not None else ():
             try:
-                self._saving[spec.req_id] = self.direct.save(spec)
+                ticket = self.direct.save(spec)
             except Exception:
                 self._save_failed(spec.req_id)
+                continue
+            self._saving.pop(spec.req_id, None)          # to the end: the newest copy
+            self._saving[spec.req_id] = ticket
         for req in meta.held if meta is not None else ():
             self._releasing[req] = self._saving.pop(req, None)
 
