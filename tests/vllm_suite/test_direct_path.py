@@ -156,21 +156,27 @@ def test_a_request_whose_prompt_was_saved_keeps_its_blocks_until_the_save_is_rep
     assert _free_blocks(scheduler) == free
 
 
-def test_a_request_aborted_while_it_loads_gives_its_blocks_back(scheduler):
-    from vllm.v1.request import RequestStatus
-
-    runtime = scheduler.connector.runtime
-    worker = make_worker(runtime, copy_in_step=True)
-    tokens = prompt_ids(100, 500)
+def _saved_then_claimed(scheduler, worker, start: int):
+    """A 100-token prompt stored on host by one request, then claimed by a second one (vLLM's
+    own prefix cache reset): the second request and the step that claimed it."""
+    tokens = prompt_ids(100, start)
     first = make_request(tokens, BLOCK, max_tokens=1)
     scheduler.add_request(first)
     _run_to_end(scheduler, worker, first)
     step(scheduler, worker)
     assert scheduler.reset_prefix_cache()
-    free = _free_blocks(scheduler)
     second = make_request(tokens, BLOCK, max_tokens=1)
     scheduler.add_request(second)
-    out = scheduler.schedule()                 # claimed, blocks allocated, load not run yet
+    return second, scheduler.schedule()    # claimed, blocks allocated, the load not run yet
+
+
+def test_a_request_aborted_while_it_loads_gives_its_blocks_back(scheduler):
+    from vllm.v1.request import RequestStatus
+
+    runtime = scheduler.connector.runtime
+    worker = make_worker(runtime, copy_in_step=True)
+    free = _free_blocks(scheduler)
+    second, out = _saved_then_claimed(scheduler, worker, 500)
     assert second.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     scheduler.finish_requests(second.request_id, RequestStatus.FINISHED_ABORTED)
     step(scheduler, worker, out)               # the worker copies, then reports it received
@@ -184,17 +190,9 @@ def test_a_request_aborted_while_it_loads_gives_its_blocks_back(scheduler):
 def test_a_hit_gone_before_its_load_is_recomputed(scheduler):
     runtime = scheduler.connector.runtime
     worker = make_worker(runtime, copy_in_step=True)
-    tokens = prompt_ids(100, 900)
-    first = make_request(tokens, BLOCK, max_tokens=1)
-    scheduler.add_request(first)
-    _run_to_end(scheduler, worker, first)
-    step(scheduler, worker)
-    assert scheduler.reset_prefix_cache()
-    second = make_request(tokens, BLOCK, max_tokens=1)
-    scheduler.add_request(second)
-    out = scheduler.schedule()
+    second, out = _saved_then_claimed(scheduler, worker, 900)
     runtime.release_staged(second.request_id)   # as if the hold were lost before the load
     step(scheduler, worker, out)
     assert runtime.counts["load_errors"] == 1
     _run_to_end(scheduler, worker, second)      # vLLM recomputes what was not loaded
-    assert second.num_computed_tokens >= len(tokens)
+    assert second.num_computed_tokens >= len(second.prompt_token_ids)
