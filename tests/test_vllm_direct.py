@@ -206,3 +206,13 @@ def test_a_load_is_reported_received_once_its_copy_is_over(runtime, monkeypatch)
     with runtime.lock:
         runtime.cache.clear_tier("host")
         assert runtime.cache.match(tokens).tokens_by_tier["host"] == 0
+
+
+@interpreted
+def test_saves_run_on_the_host_tiers_store_grid_and_loads_on_every_sm(runtime):
+    count = len(OLD) * BLOCK
+    worker, _, _ = direct_round_trip(runtime, "nhd", "nhd", NUM_BLOCKS, "cpu", _prompt(count),
+                                     OLD, NEW, count, use_kernels=True)
+    assert runtime.options.config.host.store_programs == 4      # the connector's default
+    assert worker.direct.blocks._store.max_programs == 4
+    assert worker.direct.blocks._load.max_programs is None       # one program per SM

@@ -24,7 +24,11 @@ and prefix length, side by side in one run:
 - ``connector, N/SM``: the same with the worker's copies on N programs per multiprocessor
   (the worker runs ``vllm.blocks.DEVICE_PROGRAMS_PER_SM``);
 - ``connector, torch rows``: the same with the worker's copy done by torch indexing by slot
-  (what the worker does where the kernels do not apply).
+  (what the worker does where the kernels do not apply);
+- ``direct, N/SM``: the direct path's load (``"direct": true``, ``vllm.direct``): one launch of
+  the row kernel over every layer, reading the pinned host pages through unified addressing
+  straight into vLLM's blocks, on N programs per multiprocessor (``direct.HOST_PROGRAMS_PER_SM``
+  is chosen from these).
 
 Pages, pool pages and blocks are scattered (random permutations). ``load ms`` is the
 TTFT-shaped figure: from the first copy until every layer of the prefix sits in vLLM's tensors
@@ -59,6 +63,8 @@ GB = 1e9
 #: Grids (programs per multiprocessor) of the worker's pool -> block copies, each a row of its
 #: own beside the worker's (``vllm.blocks.DEVICE_PROGRAMS_PER_SM``, chosen from this comparison).
 OTHER_PROGRAMS_PER_SM = (1, 2, 4)
+#: Programs per multiprocessor of the direct path's load compared (``direct`` rows).
+DIRECT_PROGRAMS_PER_SM = (1, 2, 4, 8)
 #: The connector path's rate over the pinned ``copy_`` rate it should reach (issue #19).
 GOAL_RATIO = 0.90
 
@@ -199,6 +205,7 @@ def coarse_paths(setup: Setup, kind: str, kv: list[torch.Tensor]) -> dict[str, C
 def paths(setup: Setup, kind: str, kv: list[torch.Tensor]) -> dict[str, Callable[[], None]]:
     """Each path's work: the whole prefix into ``kv``, layer by layer."""
     from kvtier.integrations.vllm.blocks import DEVICE_PROGRAMS_PER_SM, BlockCopier
+    from kvtier.integrations.vllm.direct import host_kv
     from kvtier.transfer.kernels import PreparedCopy
     from kvtier.transfer.plan import device_geometry, host_geometry, make_plan
 
@@ -248,12 +255,22 @@ def paths(setup: Setup, kind: str, kv: list[torch.Tensor]) -> dict[str, Callable
         for layer, tensor in enumerate(kv):
             layout.write(tensor, slots, flat[layer, 0][rows], flat[layer, 1][rows])
 
+    def direct(programs: int) -> Callable[[], None]:
+        copier = BlockCopier(layout, host_kv(setup.host), programs, device=dev)
+
+        def run() -> None:          # the direct path's load: host pages -> blocks, one launch
+            plan = copier.plan("load", setup.host_ids, setup.block_ids)
+            copier.copy_layers(plan, kv, copier.ids(plan, dev))
+        return run
+
     return {"pinned copy_": pinned, "connector": through_pool(from_pool),
             **{name: through_pool(copier) for name, copier in grids.items()},
             "connector, serial": serial(from_pool),
             "connector, wide load": through_pool(from_pool, setup.wide_engine),
             "connector, copy engines": through_pool(from_pool, setup.ce_engine),
-            "connector, torch rows": torch_rows}
+            "connector, torch rows": torch_rows,
+            **({f"direct, {n}/SM": direct(n) for n in DIRECT_PROGRAMS_PER_SM}
+               if setup.host.pinned or dev.type != "cuda" else {})}
 
 
 def exact(setup: Setup, kind: str, kv: list[torch.Tensor]) -> bool:

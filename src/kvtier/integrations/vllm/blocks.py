@@ -103,9 +103,10 @@ class BlockCopier:
 
     def __init__(self, layout: BlockLayout, pool_kv: torch.Tensor,
                  programs_per_sm: int = DEVICE_PROGRAMS_PER_SM,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, store_programs: int | None = None) -> None:
         """``device``: where the copies run, when the pool is not there (host pages read and
-        written through unified addressing: the direct path)."""
+        written through unified addressing: the direct path). ``store_programs``: a grid cap
+        of the stores (vLLM blocks -> pool) in place of ``programs_per_sm``."""
         vllm_rows = layout.rows()
         if vllm_rows is None:
             raise ValueError(f"{layout.name or layout.kind} blocks cannot be copied by rows")
@@ -116,7 +117,8 @@ class BlockCopier:
         self.pool_rows = pool_rows(pool_kv)
         self.vllm_rows = vllm_rows
         self._load = RowCopy(self.pool_rows, vllm_rows, programs_per_sm=programs_per_sm)
-        self._store = RowCopy(vllm_rows, self.pool_rows, programs_per_sm=programs_per_sm)
+        self._store = RowCopy(vllm_rows, self.pool_rows, max_programs=store_programs,
+                              programs_per_sm=programs_per_sm)
         #: Launch arguments per (direction, first layer, vLLM tensors), worked out at first use.
         self._bound: dict[tuple[str, int, tuple[int, ...]], BoundRowCopy] = {}
 

@@ -129,7 +129,13 @@ class DirectCopies:
         self.device = kv_caches[0].device
         wanted = self.device.type == "cuda" if use_kernels is None else use_kernels
         fits = all(kernels_fit_host(layout, kv, self.pool, runtime.page_size) for kv in kv_caches)
-        self.blocks = (BlockCopier(layout, self.pool, device=self.device)
+        # Saves run beside the forwards that follow: their grid is the host tier's store cap
+        # (``host.store_programs``; the connector's default, 4, and why, are in ``options``),
+        # where one program per SM slowed vLLM alone's batch of misses to 0.957x on an H100
+        # (vllm_gpu_h100_direct.txt). Loads keep one per SM: the request waits for them.
+        store_cap = runtime.options.config.host.store_programs or None
+        self.blocks = (BlockCopier(layout, self.pool, device=self.device,
+                                   store_programs=store_cap)
                        if wanted and fits else None)
         #: The path's copies run here, beside the forward (CUDA; None on the CPU).
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
