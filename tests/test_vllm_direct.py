@@ -7,6 +7,7 @@ bytes); no staging page is used. No vLLM needed (the GPU version is in
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -216,3 +217,27 @@ def test_saves_run_on_the_host_tiers_store_grid_and_loads_on_every_sm(runtime):
     assert runtime.options.config.host.store_programs == 4      # the connector's default
     assert worker.direct.blocks._store.max_programs == 4
     assert worker.direct.blocks._load.max_programs is None       # one program per SM
+
+
+@interpreted
+@pytest.mark.parametrize("chunk_pages", [2, 64], ids=["chunked", "one_chunk"])
+def test_loads_through_the_copy_engines_are_byte_exact(runtime, monkeypatch, chunk_pages):
+    """On CUDA the copy engines move whole host pages into a device buffer and the row kernel
+    scatters them into vLLM's blocks; here a host memmove stands in for the copy engines."""
+    from kvtier.integrations.vllm import direct
+    from kvtier.transfer.ce_batch import host_memmove
+
+    monkeypatch.setattr(direct, "engine_copies", lambda device, path: host_memmove())
+    options, page_bytes = runtime.options, runtime.cache.host_pool.layout.page_bytes
+    host = dataclasses.replace(options.config.host, copy_staging_bytes=chunk_pages * page_bytes)
+    runtime.options = dataclasses.replace(
+        options, config=dataclasses.replace(options.config, host=host))
+    count = len(OLD) * BLOCK
+    worker, source, target = direct_round_trip(runtime, "hnd", "nhd", NUM_BLOCKS, "cpu",
+                                               _prompt(count), OLD, NEW, count - 5,
+                                               use_kernels=True)
+    if runtime.cache.host_pool.host_layout == "page_first":
+        assert worker.direct.bounce is not None and worker.direct.bounce.pages == chunk_pages
+    else:                           # a page's layers are apart there: the row kernel reads
+        assert worker.direct.bounce is None
+    _check("hnd", "nhd", source, target, count)

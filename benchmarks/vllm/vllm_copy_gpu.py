@@ -25,10 +25,10 @@ and prefix length, side by side in one run:
   (the worker runs ``vllm.blocks.DEVICE_PROGRAMS_PER_SM``);
 - ``connector, torch rows``: the same with the worker's copy done by torch indexing by slot
   (what the worker does where the kernels do not apply);
-- ``direct, N/SM``: the direct path's load (``"direct": true``, ``vllm.direct``): one launch of
-  the row kernel over every layer, reading the pinned host pages through unified addressing
-  straight into vLLM's blocks, on N programs per multiprocessor (``direct.HOST_PROGRAMS_PER_SM``
-  is chosen from these).
+- ``direct, N/SM`` and ``direct, copy engines``: the direct path's load (``vllm.direct``), the
+  row kernel reading pinned host pages straight into vLLM's blocks on N programs per SM, or
+  (its default on CUDA, ``BounceLoads``) the copy engines into a 64 MiB device buffer and the
+  row kernel from there, chunk by chunk.
 
 Pages, pool pages and blocks are scattered (random permutations). ``load ms`` is the
 TTFT-shaped figure: from the first copy until every layer of the prefix sits in vLLM's tensors
@@ -53,6 +53,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -63,8 +64,6 @@ GB = 1e9
 #: Grids (programs per multiprocessor) of the worker's pool -> block copies, each a row of its
 #: own beside the worker's (``vllm.blocks.DEVICE_PROGRAMS_PER_SM``, chosen from this comparison).
 OTHER_PROGRAMS_PER_SM = (1, 2, 4)
-#: Programs per multiprocessor of the direct path's load compared (``direct`` rows).
-DIRECT_PROGRAMS_PER_SM = (1, 2, 4, 8)
 #: The connector path's rate over the pinned ``copy_`` rate it should reach (issue #19).
 GOAL_RATIO = 0.90
 
@@ -205,7 +204,8 @@ def coarse_paths(setup: Setup, kind: str, kv: list[torch.Tensor]) -> dict[str, C
 def paths(setup: Setup, kind: str, kv: list[torch.Tensor]) -> dict[str, Callable[[], None]]:
     """Each path's work: the whole prefix into ``kv``, layer by layer."""
     from kvtier.integrations.vllm.blocks import DEVICE_PROGRAMS_PER_SM, BlockCopier
-    from kvtier.integrations.vllm.direct import host_kv
+    from kvtier.integrations.vllm.direct import BounceLoads, host_kv
+    from kvtier.transfer.ce_batch import host_memmove, load_batch_copy
     from kvtier.transfer.kernels import PreparedCopy
     from kvtier.transfer.plan import device_geometry, host_geometry, make_plan
 
@@ -262,15 +262,18 @@ def paths(setup: Setup, kind: str, kv: list[torch.Tensor]) -> dict[str, Callable
             plan = copier.plan("load", setup.host_ids, setup.block_ids)
             copier.copy_layers(plan, kv, copier.ids(plan, dev))
         return run
-
+    batch = load_batch_copy() if dev.type == "cuda" else host_memmove()
+    bounce = BounceLoads(setup.host, layout, kv, batch, 64 << 20) if batch else None
     return {"pinned copy_": pinned, "connector": through_pool(from_pool),
             **{name: through_pool(copier) for name, copier in grids.items()},
             "connector, serial": serial(from_pool),
             "connector, wide load": through_pool(from_pool, setup.wide_engine),
             "connector, copy engines": through_pool(from_pool, setup.ce_engine),
             "connector, torch rows": torch_rows,
-            **({f"direct, {n}/SM": direct(n) for n in DIRECT_PROGRAMS_PER_SM}
-               if setup.host.pinned or dev.type != "cuda" else {})}
+            **({f"direct, {n}/SM": direct(n) for n in (1, 2, 4, 8)}
+               if setup.host.pinned or dev.type != "cuda" else {}),
+            **({"direct, copy engines": partial(bounce.load, setup.host_ids, setup.block_ids)}
+               if bounce is not None else {})}
 
 
 def exact(setup: Setup, kind: str, kv: list[torch.Tensor]) -> bool:

@@ -24,7 +24,8 @@ VARIANTS = {"kvtier_kernel": {"copy_path": "kernel"},
             "kvtier_lp0": {"load_programs": 0},
             "kvtier_lp16": {"load_programs": 16},
             "kvtier_sp4": {"store_programs": 4},
-            "kvtier_direct": {"direct": True}}
+            "kvtier_direct": {"direct": True},
+            "kvtier_direct_uva": {"direct": True, "copy_path": "kernel"}}
 CASES = ("recompute", "alone", "native", "kvtier", *VARIANTS, "disk_store", "disk_hit")
 KVTIER_CASES = ("kvtier", *VARIANTS, "disk_store", "disk_hit")
 TOKEN_LOW, TOKEN_HIGH = 5, 1000            # ordinary tokens of kvtier's tiny tokenizer

@@ -21,9 +21,15 @@ on a CUDA stream of its own (``DirectCopies.stream``), beside the forward rather
   scheduler half marks it ``held``), and a preempted request's blocks are reused only after
   them (the forward's stream waits for them).
 
-On CUDA the copies are kvtier's row kernel (``transfer.rows``) reading or writing pinned host
-memory through unified addressing, where vLLM's layout has contiguous head rows and the kvtier
-page is one vLLM block (``page_size`` = block size, the default); otherwise torch gathers by
+On CUDA the copies are kvtier's row kernel (``transfer.rows``), where vLLM's layout has
+contiguous head rows and the kvtier page is one vLLM block (``page_size`` = block size, the
+default). Saves write pinned host memory through unified addressing. Loads go through the
+copy engines where the host tier's ``copy_path`` allows them (``auto``, the default, or
+``copy_engine``; ``page_first`` host layout; a driver with ``cuMemcpyBatchAsync``): whole host
+pages into a device buffer of ``host.copy_staging_bytes`` (``BounceLoads``), then the row
+kernel device to device into vLLM's blocks, chunk by chunk; a UVA kernel reads host memory at
+a rate that depends on the host (about 32 GB/s on the H100 the direct path was measured on,
+where the copy engines move about 50: docs/benchmarks-integrations.md). Otherwise torch gathers by
 row (vLLM's CPU backend, where host pages are plain memory and copies are over when they
 return; on CUDA they go through the host and wait, and the start-up log says so). vLLM keeps
 the GPU memory staging pages would take; kvtier's device tier is not used. One worker in the
@@ -42,10 +48,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtier.integrations.vllm.blocks import BlockCopier, BlockPlan
+from kvtier.integrations.vllm.blocks import BlockCopier
 from kvtier.integrations.vllm.layout import BlockLayout
 from kvtier.integrations.vllm.specs import LoadSpec, SaveSpec
 from kvtier.memory.device_pool import torch_dtype
+from kvtier.transfer.ce_batch import BatchCopy, load_batch_copy
+from kvtier.transfer.staged import merge_runs
 
 log = logging.getLogger(__name__)
 
@@ -53,16 +61,31 @@ log = logging.getLogger(__name__)
 def host_kv(host_pool: Any) -> torch.Tensor:
     """The host pool as ``[layers, parts, pages, page_size, heads, head_dim]`` over its bytes
     (either host layout; a strided view, nothing copied)."""
-    layout = host_pool.layout
-    flat = host_pool.buffer.view(torch_dtype(layout.dtype))
+    return pages_kv(host_pool.buffer, host_pool.layout, host_pool.num_pages,
+                    host_pool.host_layout)
+
+
+def pages_kv(buffer: torch.Tensor, layout: Any, num_pages: int,
+             host_layout: str = "page_first") -> torch.Tensor:
+    """``num_pages`` kvtier pages in ``buffer``'s bytes, laid out as the host pool lays them,
+    seen as ``[layers, parts, pages, page_size, heads, head_dim]``."""
+    flat = buffer.view(torch_dtype(layout.dtype))
     layers, parts, page, heads, dim = layout.page_shape()
     part = page * heads * dim
-    if host_pool.host_layout == "page_first":
+    if host_layout == "page_first":
         strides = (parts * part, part, layers * parts * part)
     else:                                       # layer_first
-        strides = (host_pool.num_pages * parts * part, part, parts * part)
-    return torch.as_strided(flat, (layers, parts, host_pool.num_pages, page, heads, dim),
+        strides = (num_pages * parts * part, part, parts * part)
+    return torch.as_strided(flat, (layers, parts, num_pages, page, heads, dim),
                             (*strides, heads * dim, dim, 1))
+
+
+def engine_copies(device: torch.device, copy_path: str) -> BatchCopy | None:
+    """The copy engines' batched copy for the direct path's loads: on CUDA unless
+    ``host.copy_path`` is ``kernel``, where the driver has it; else None."""
+    if device.type != "cuda" or copy_path == "kernel":
+        return None
+    return load_batch_copy()
 
 
 class DoneTicket:
@@ -117,6 +140,46 @@ def kernels_fit_host(layout: BlockLayout, kv: torch.Tensor, pool: torch.Tensor,
             and kv.dtype == pool.dtype)
 
 
+class BounceLoads:
+    """Direct loads through the copy engines: whole host pages into a device buffer of
+    ``staging_bytes`` (one batched copy a chunk, runs of consecutive pages joined), then the
+    row kernel from there into vLLM's blocks, chunk after chunk on the current stream (a chunk
+    never overwrites what the one before still reads)."""
+
+    def __init__(self, host_pool: Any, layout: BlockLayout, kv_caches: list[torch.Tensor],
+                 batch: BatchCopy, staging_bytes: int) -> None:
+        if host_pool.host_layout != "page_first":
+            raise ValueError("copy-engine loads need the page_first host layout")
+        self.page_bytes = host_pool.layout.page_bytes
+        self.pages = max(1, staging_bytes // self.page_bytes)
+        self.device = kv_caches[0].device
+        self.buffer = torch.empty(self.pages * self.page_bytes, dtype=torch.uint8,
+                                  device=self.device)
+        self.copier = BlockCopier(layout, pages_kv(self.buffer, host_pool.layout, self.pages),
+                                  device=self.device)
+        self.kv_caches = kv_caches
+        self.batch = batch
+        self._host_base = np.uint64(host_pool.buffer.data_ptr())
+
+    def load(self, pages: np.ndarray, blocks: np.ndarray) -> list[torch.Tensor]:
+        """Queue host ``pages`` into vLLM ``blocks`` (one block a page); returns the index
+        tensors the queued copies read."""
+        stream = int(torch.cuda.current_stream(self.device).cuda_stream) \
+            if self.device.type == "cuda" else 0
+        unit, base = np.uint64(self.page_bytes), np.uint64(self.buffer.data_ptr())
+        kept = []
+        for lo in range(0, len(pages), self.pages):
+            chunk = np.asarray(pages[lo:lo + self.pages], dtype=np.uint64)
+            slots = np.arange(len(chunk), dtype=np.uint64)
+            self.batch.copy(*merge_runs(base + slots * unit, self._host_base + chunk * unit,
+                                        np.full(len(chunk), unit, dtype=np.uint64)), stream)
+            plan = self.copier.plan("load", slots.astype(np.int64), blocks[lo:lo + len(chunk)])
+            ids = self.copier.ids(plan, self.device)
+            self.copier.copy_layers(plan, self.kv_caches, ids)
+            kept.append(ids)
+        return kept
+
+
 class DirectCopies:
     """Loads and saves of the direct path over vLLM's registered tensors (one per layer)."""
 
@@ -139,11 +202,25 @@ class DirectCopies:
                        if wanted and fits else None)
         #: The path's copies run here, beside the forward (CUDA; None on the CPU).
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        host = runtime.options.config.host
+        batch = engine_copies(self.device, host.copy_path)
+        #: Loads through the copy engines (see the module docstring), else the row kernel.
+        self.bounce = (BounceLoads(runtime.cache.host_pool, layout, kv_caches, batch,
+                                   host.copy_staging_bytes)
+                       if self.blocks is not None and batch is not None
+                       and runtime.cache.host_pool.host_layout == "page_first" else None)
+        if host.copy_path == "copy_engine" and self.bounce is None:
+            log.warning("kvtier connector: copy_path copy_engine: the direct path's loads use "
+                        "%s (copy engines need CUDA, the page_first host layout, a driver "
+                        "with cuMemcpyBatchAsync and the row kernel's layouts)", self.by)
 
     @property
     def by(self) -> str:
-        return "the row kernel over pinned host memory" if self.blocks is not None \
-            else "torch gathers"
+        if self.blocks is None:
+            return "torch gathers"
+        if self.bounce is not None:
+            return "the copy engines and the row kernel (loads), the row kernel (saves)"
+        return "the row kernel over pinned host memory"
 
     def warm_up(self) -> None:
         """Compile the kernel both ways before the first request: block 0 of the first layer
@@ -158,6 +235,9 @@ class DirectCopies:
         kv = self.kv_caches[0]
         copier.save(0, np.array([0]), np.array([0]), kv)
         copier.load(0, np.array([0]), np.array([0]), kv)
+        if self.bounce is not None:             # its device-to-device geometry
+            self.bounce.copier.save(0, np.array([0]), np.array([0]), kv)
+            self.bounce.copier.load(0, np.array([0]), np.array([0]), kv)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -179,21 +259,25 @@ class DirectCopies:
     def load(self, spec: LoadSpec, held: Any) -> Ticket:
         """Queue the copy of ``spec``'s tokens (whole blocks: see the module docstring) from
         the held host pages into vLLM's blocks; the ticket says when it is over."""
-        rows, slots, plan = self.plan_load(spec, held)
+        rows, slots, whole = self.plan_load(spec, held)
         with self._beside():
-            ids = self.blocks.ids(plan, self.device) if plan is not None else None
-            if plan is not None:
+            kept: list[Any] = []
+            if whole is not None and self.bounce is not None:
+                kept = self.bounce.load(*whole)
+            elif whole is not None:
                 assert self.blocks is not None
-                self.blocks.copy_layers(plan, self.kv_caches, ids)
+                plan = self.blocks.plan("load", *whole)
+                kept = [self.blocks.ids(plan, self.device)]
+                self.blocks.copy_layers(plan, self.kv_caches, kept[0])
             if len(rows):
                 self._load_rows(rows, slots)
-            return self._ticket((ids,))
+            return self._ticket(tuple(kept))
 
     def plan_load(self, spec: LoadSpec, held: Any) -> tuple[torch.Tensor, torch.Tensor,
-                                                           BlockPlan | None]:
+                                                           tuple[np.ndarray, np.ndarray] | None]:
         """Rows to copy by row (host rows ``page * page_size + offset``, vLLM slots) and the
-        kernel's plan of the blocks it moves whole. The claim's last block is copied whole:
-        held pages are whole pages, so its page is held."""
+        host pages and vLLM blocks the kernel moves whole (one block a page). The claim's last
+        block is copied whole: held pages are whole pages, so its page is held."""
         page, block = self.runtime.page_size, self.layout.block_size
         end = -(-spec.end // block) * block
         tokens = torch.arange(spec.start, end)
@@ -204,12 +288,10 @@ class DirectCopies:
         if self.blocks is None:
             return rows, slots, None
         first, stop = -(-spec.start // block), end // block      # whole blocks
-        whole = (tokens >= first * block) & (tokens < stop * block)
-        plan = None
-        if stop > first:
-            plan = self.blocks.plan("load", pages[first:stop].numpy(),
-                                    np.asarray(spec.block_ids[first:stop]))
-        return rows[~whole], slots[~whole], plan
+        moved = (tokens >= first * block) & (tokens < stop * block)
+        whole = (pages[first:stop].numpy(), np.asarray(spec.block_ids[first:stop])) \
+            if stop > first else None
+        return rows[~moved], slots[~moved], whole
 
     def _load_rows(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Rows of every layer by gathers: one read of the host pool, one upload."""
