@@ -114,7 +114,7 @@ def test_a_prompt_saved_to_host_is_loaded_asynchronously_into_the_next_requests_
     assert runtime.counts["saves_skipped_held"] == 0       # the hit's prompt: held, not saved
     stats = runtime.cache.stats()["counters"]
     assert stats.get("load_back_pages_total", 0) == 0 and stats.get("commit_total", 0) == 0
-    assert not runtime.staged and not worker._receiving
+    assert not runtime.staged and not worker.steps._receiving
     runtime.cache.check_integrity()
 
 
@@ -136,7 +136,7 @@ def test_a_finished_requests_blocks_are_kept_until_its_saves_are_over(scheduler)
     assert runtime.counts["saved_tokens"] == 32 + 32
     step(scheduler, worker)
     assert _free_blocks(scheduler) == free
-    assert not worker._saving and not worker._releasing
+    assert not worker.steps._saving and not worker.steps._releasing
     runtime.cache.check_integrity()
 
 
@@ -183,7 +183,7 @@ def test_a_request_aborted_while_it_loads_gives_its_blocks_back(scheduler):
     step(scheduler, worker)
     assert second.request_id not in scheduler.requests
     assert _free_blocks(scheduler) == free
-    assert not runtime.staged and not worker._receiving
+    assert not runtime.staged and not worker.steps._receiving
     runtime.cache.check_integrity()
 
 

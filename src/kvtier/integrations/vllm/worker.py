@@ -30,12 +30,10 @@ Owns ``WorkerSide``. Runs on vLLM's model-runner thread, inside the forward:
   waits on a store: a full queue or no staging pages drop the save (counted), and a commit
   that fails is counted (``saves_failed``) and logged, never raised into vLLM.
 
-On the direct path (``runtime.direct``, ``direct.DirectCopies``) none of the above runs inside
-the step: ``start_load_kv`` queues each load beside the forward and ``take_received`` names the
-requests whose load is over (vLLM then schedules them); ``wait_for_save`` queues the step's
-saves the same way, ``get_finished`` reports a finished request's blocks free once its last
-save has read them, and ``handle_preemptions`` makes the forward wait for the saves still
-reading a preempted request's blocks.
+On the direct path (``runtime.direct``) none of the above runs inside the step: the hooks hand
+the step's loads and saves to ``direct_steps.DirectSteps``, which queues them beside the
+forward (``direct.DirectCopies``), names the requests whose load is over (``take_received``)
+and the finished requests whose blocks its saves have read (``get_finished``).
 
 ``register_kv_caches`` launches the block kernels once each way (``_warm_up_blocks``), so
 that none is compiled inside a request.
@@ -56,7 +54,8 @@ import numpy as np
 import torch
 
 from kvtier.integrations.vllm.blocks import BlockCopier, block_view, kernels_fit
-from kvtier.integrations.vllm.direct import DirectCopies, Ticket
+from kvtier.integrations.vllm.direct import DirectCopies
+from kvtier.integrations.vllm.direct_steps import DirectSteps
 from kvtier.integrations.vllm.layout import BlockLayout, registered_layout
 from kvtier.integrations.vllm.runtime import ConnectorRuntime
 from kvtier.integrations.vllm.saves import SaveCopier
@@ -110,13 +109,8 @@ class WorkerSide:
         self.blocks: BlockCopier | None = None
         #: The direct path's copies (``runtime.direct``): vLLM's blocks <-> host pages.
         self.direct: DirectCopies | None = None
-        #: Direct path: loads in flight (ticket, held host pages) by request; requests whose
-        #: load is over or failed, for ``take_received``; the last save's ticket of each
-        #: running request; finished requests whose blocks vLLM keeps until that ticket.
-        self._receiving: dict[str, tuple[Ticket, Any]] = {}
-        self._received: set[str] = set()
-        self._saving: dict[str, Ticket] = {}
-        self._releasing: dict[str, Ticket | None] = {}
+        #: The direct path's part of each step (its loads, saves and releases).
+        self.steps: DirectSteps | None = None
 
     # ---- set-up ----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], backend: str,
@@ -149,6 +143,7 @@ class WorkerSide:
         self.direct = DirectCopies(self.runtime, list(self.kv_caches.values()), layout,
                                    self.use_kernels)
         self.blocks = self.direct.blocks
+        self.steps = DirectSteps(self.runtime, self.direct, self._fail_load, self._save_failed)
         self.copier = SaveCopier(self.runtime, self.kv_caches, layout, None)
         try:
             self.direct.warm_up()
@@ -186,9 +181,8 @@ class WorkerSide:
     # ---- loads -----------------------------------------------------------------------------
     def start_load_kv(self, meta: KvtierConnectorMetadata) -> None:
         self._release_landed()
-        if self.direct is not None:
-            for spec in meta.loads:
-                self._start_direct_load(spec)
+        if self.steps is not None:
+            self.steps.start_loads(meta.loads)
             return
         self._loads = [m for m in map(self._plan_load, meta.loads) if m is not None]
         self._wait_for_other_copies()
@@ -209,34 +203,9 @@ class WorkerSide:
             if ticket is not None and not ticket.is_done():
                 ticket.stream_wait()
 
-    def _start_direct_load(self, spec: LoadSpec) -> None:
-        """Queue an asynchronous load of the direct path (the request waits outside the step
-        until ``take_received`` names it); a hit no longer held is reported failed at once."""
-        assert self.direct is not None
-        held = self.runtime.take_staged(spec.req_id)
-        if held is None or held.tokens < spec.end:
-            self._fail_load(spec, held)
-            self._received.add(spec.req_id)
-            return
-        try:
-            ticket = self.direct.load(spec, held)
-        except Exception:
-            log.exception("kvtier connector: loading request %s failed; vLLM recomputes it",
-                          spec.req_id)
-            self._fail_load(spec, held)
-            self._received.add(spec.req_id)
-            return
-        held.ticket = ticket            # its host pages stay pinned until the copy is over
-        self._receiving[spec.req_id] = (ticket, held)
-        self.runtime.counts["loads_async"] += 1
-
     def take_received(self) -> set[str] | None:
-        """Direct path: requests whose load is over (their held pages go back) or failed."""
-        done = [req for req, (ticket, _) in self._receiving.items() if ticket.is_done()]
-        if done:
-            self.copier.release([self._receiving.pop(req)[1] for req in done])
-        received, self._received = self._received | set(done), set()
-        return received or None
+        """Direct path: requests whose load is over or failed (``DirectSteps``)."""
+        return self.steps.take_received() if self.steps is not None else None
 
     def _plan_load(self, spec: LoadSpec) -> _Move | None:
         loaded = self.runtime.take_staged(spec.req_id)
@@ -321,8 +290,8 @@ class WorkerSide:
     def wait_for_save(self, meta: KvtierConnectorMetadata) -> None:
         """Release the step's loads (or hand them to the request's save) and store its saves
         (see the module docstring); never waits for the device."""
-        if self.direct is not None:
-            self._direct_saves(meta)
+        if self.steps is not None:
+            self.steps.saves(meta)
             return
         loads = {move.req_id: move.handle for move in self._loads}
         self._check_loads_copied()
@@ -363,28 +332,6 @@ class WorkerSide:
                 except Exception:
                     self._save_failed(spec.req_id)
                     copier.abandon(save)    # frees only the pages the cache did not take
-
-    def _direct_saves(self, meta: KvtierConnectorMetadata | None) -> None:
-        """Direct path: queue the step's saves beside the forward; a finished request's blocks
-        are reported free once its last save has read them (``get_finished``)."""
-        assert self.direct is not None
-        # Oldest first: the copies run in order on one stream, so the first one still running
-        # ends the scan (a step does not query every running request's event).
-        while self._saving:
-            req, ticket = next(iter(self._saving.items()))
-            if not ticket.is_done():
-                break
-            del self._saving[req]
-        for spec in meta.saves if meta is not None else ():
-            try:
-                ticket = self.direct.save(spec)
-            except Exception:
-                self._save_failed(spec.req_id)
-                continue
-            self._saving.pop(spec.req_id, None)          # to the end: the newest copy
-            self._saving[spec.req_id] = ticket
-        for req in meta.held if meta is not None else ():
-            self._releasing[req] = self._saving.pop(req, None)
 
     def _save_failed(self, req_id: str) -> None:
         self.runtime.counts["saves_failed"] += 1
@@ -427,24 +374,18 @@ class WorkerSide:
         """vLLM frees preempted requests' blocks before this step's forward: stop reading them."""
         if not meta.preempted:
             return
-        if self.direct is None:
+        if self.steps is not None:
+            self.steps.preempted(meta.preempted)
+        else:
             self.runtime.saver.cancel(meta.preempted)
-            return
-        for req in meta.preempted:          # their blocks are reused only after being read
-            ticket = self._saving.pop(req, None)
-            if ticket is not None and not ticket.is_done():
-                ticket.stream_wait(self.direct.device)
 
     def get_finished(self, finished_req_ids: set[str]) -> set[str] | None:
         """Finished requests whose blocks vLLM kept for a save and may now free: those this
         step's saves copied (stream-ordered before any later write to them), and on the saver's
         path those whose save has stopped reading them."""
         done, self._copied = self._copied, set()
-        if self.direct is not None:
-            done = {req for req, ticket in self._releasing.items()
-                    if ticket is None or ticket.is_done()}
-            for req in done:
-                del self._releasing[req]
+        if self.steps is not None:
+            done = self.steps.released()
         elif not self.copy_in_step:
             self._finished.update(finished_req_ids)
             done = self.runtime.saver.take_released(self._finished)
