@@ -6,7 +6,6 @@ version is ``test_vllm_copy_gpu``)."""
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -16,20 +15,23 @@ from kvtier.integrations.vllm.blocks import BlockCopier
 from kvtier.integrations.vllm.layout import block_layout
 from vllm_copy_support import (
     BACKENDS,
+    BLOCK,
+    DIM,
+    HEADS,
+    LAYERS,
+    NEW,
+    NUM_BLOCKS,
+    OLD,
     HeldCopy,
     Step,
     as_words,
     check_moved,
+    interpreted,
     make_runtime,
     packed_kv,
     round_trip,
     slots,
 )
-
-LAYERS, HEADS, DIM, BLOCK, NUM_BLOCKS = 2, 2, 16, 16, 12
-OLD, NEW = (5, 9, 2, 0, 7), (3, 11, 1, 8, 4)
-interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                 reason="the kernels run on the CPU only under TRITON_INTERPRET=1")
 
 
 def _prompt(n: int) -> list[int]:

@@ -8,7 +8,6 @@ bytes); no staging page is used. No vLLM needed (the GPU version is in
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
@@ -19,18 +18,21 @@ from kvtier.integrations.vllm.options import parse_connector_config
 from kvtier.integrations.vllm.specs import LoadSpec, SaveSpec
 from vllm_copy_support import (
     BACKENDS,
+    BLOCK,
+    DIM,
+    HEADS,
+    LAYERS,
+    NEW,
+    NUM_BLOCKS,
+    OLD,
     Step,
     as_words,
     check_moved,
     direct_round_trip,
+    interpreted,
     make_runtime,
     slots,
 )
-
-LAYERS, HEADS, DIM, BLOCK, NUM_BLOCKS = 2, 2, 16, 16, 12
-OLD, NEW = (5, 9, 2, 0, 7), (3, 11, 1, 8, 4)
-interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                 reason="the kernels run on the CPU only under TRITON_INTERPRET=1")
 
 
 def _prompt(n: int) -> list[int]:

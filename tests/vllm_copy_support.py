@@ -11,10 +11,12 @@ block ids, the way a later request's hit arrives.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 import torch
 
 from kvtier.integrations.vllm.options import parse_connector_config
@@ -28,6 +30,14 @@ from kvtier.keys import KeyNamespace
 #: memory (``nhd``, vLLM's default), heads outer (``hnd``), or the CPU backend's blocks (``cpu``).
 #: ``tests/vllm_suite/test_layout.py`` holds the same reads against vLLM's own allocation.
 BACKENDS = {"nhd": "FLASH_ATTN", "hnd": "FLASHINFER", "cpu": "CPU_ATTN"}
+
+
+#: The small model shape and scattered blocks the CPU copy tests share.
+LAYERS, HEADS, DIM, BLOCK, NUM_BLOCKS = 2, 2, 16, 16, 12
+OLD, NEW = (5, 9, 2, 0, 7), (3, 11, 1, 8, 4)
+#: Marks tests of the kernels, which run on the CPU only under the Triton interpreter.
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="the kernels run on the CPU only under TRITON_INTERPRET=1")
 
 
 @dataclass
