@@ -11,8 +11,15 @@ from __future__ import annotations
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm.options import DEFAULT_STAGING_PAGES, parse_connector_config
-from kvtier.integrations.vllm.runtime import default_staging_pages, with_staging_pages
+from kvtier.integrations.vllm.options import (
+    DEFAULT_STAGING_PAGES,
+    DIRECT_DEVICE_PAGES,
+    parse_connector_config,
+    resolve_direct,
+    with_direct,
+    with_staging_pages,
+)
+from kvtier.integrations.vllm.runtime import default_staging_pages
 from kvtier.layout import KVLayout
 
 # llama3-8b's KV at vLLM's block of 16 tokens: 2 MiB a page.
@@ -72,3 +79,31 @@ def test_the_prefetch_policy_is_a_connector_key_checked_like_the_config_field() 
     assert keyed.config.controller.prefetch_policy == "wait_complete"
     with pytest.raises(ConfigError, match="prefetch_policy"):
         parse_connector_config({"prefetch_policy": "forever"}, 16, env={})
+
+
+def test_the_direct_path_is_taken_by_default_where_it_applies() -> None:
+    """``"direct": "auto"`` (the default): the direct path on a CUDA device with one worker,
+    kvtier's page one vLLM block and no staging pages asked for; the staged path otherwise."""
+    auto = parse_connector_config(None, 16)
+    assert auto.direct is None and auto.staging_from_default
+    assert resolve_direct(auto, "cuda:0", ranked=False, block_size=16)
+    assert not resolve_direct(auto, "cpu", ranked=False, block_size=16)
+    assert not resolve_direct(auto, "cuda:0", ranked=True, block_size=16)
+    pages = parse_connector_config({"page_size": 64}, 16)
+    assert not resolve_direct(pages, "cuda:0", ranked=False, block_size=16)
+    staged = parse_connector_config({"staging_pages": 512}, 16)
+    assert not resolve_direct(staged, "cuda:0", ranked=False, block_size=16)
+    assert not resolve_direct(parse_connector_config({"direct": False}, 16), "cuda:0", False, 16)
+    assert resolve_direct(parse_connector_config({"direct": True}, 16), "cpu", False, 16)
+    assert parse_connector_config({"direct": "auto"}, 16).direct is None
+
+
+def test_the_decided_path_sets_the_device_pool() -> None:
+    """Direct: the least device pool and no staging to size; staged: as parsed."""
+    auto = parse_connector_config(None, 16)
+    direct = with_direct(auto, True)
+    assert direct.direct is True and not direct.staging_from_default
+    assert direct.config.cache.device_pages == DIRECT_DEVICE_PAGES
+    staged = with_direct(auto, False)
+    assert staged.direct is False and staged.staging_from_default
+    assert staged.config.cache.device_pages == DEFAULT_STAGING_PAGES

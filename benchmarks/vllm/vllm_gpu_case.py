@@ -291,7 +291,7 @@ class Case:
         out = {k: v for k, v in counts.items()
                if k.startswith("hit_tokens_") or k in ("lookup_us", "lookup_lock_wait_us",
                                                        "claimed_tokens", "load_layer_copies",
-                                                       "load_steps_whole")}
+                                                       "load_steps_whole", "loads_async")}
         copy = (stats.get("cache") or {}).get("copy") or {}
         if "load_bytes" in copy:
             out["copied_to_gpu_bytes"] = copy["load_bytes"]

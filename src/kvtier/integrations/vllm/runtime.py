@@ -28,7 +28,6 @@ cache is built on that thread, so the IO threads it starts inherit its idle CPU 
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import logging
 import threading
 import time
@@ -40,7 +39,13 @@ from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.compat import full_graph_max_tokens, transfer_groups
 from kvtier.integrations.vllm.events import ConnectorEvents
 from kvtier.integrations.vllm.fingerprint import model_fingerprint
-from kvtier.integrations.vllm.options import DEFAULT_STAGING_PAGES, VllmConnectorOptions
+from kvtier.integrations.vllm.options import (
+    DEFAULT_STAGING_PAGES,
+    VllmConnectorOptions,
+    resolve_direct,
+    with_direct,
+    with_staging_pages,
+)
 from kvtier.integrations.vllm.saver import Saver
 from kvtier.integrations.vllm.shared_pool import SharedPool
 from kvtier.keys import KeyNamespace
@@ -166,9 +171,10 @@ class ConnectorRuntime:
         #: The workers copy every save inside the step that carries it (stream-ordered on
         #: CUDA; a rank's copies end in its step): no save waits on the saver thread to read
         #: vLLM's blocks. False on vLLM's CPU backend in one process (the saver copies there).
-        self.saves_in_step = on_cuda or shared is not None or options.direct
-        #: Loads and saves go between vLLM's blocks and host pages (``direct``): no staging.
-        self.direct = options.direct
+        #: Loads and saves go between vLLM's blocks and host pages (``direct``, decided by
+        #: ``resolve_direct`` before this runtime is built; unset counts as off): no staging.
+        self.direct = bool(options.direct)
+        self.saves_in_step = on_cuda or shared is not None or self.direct
         self.lock = threading.RLock()
         self.staged: dict[str, Any] = {}      # request id -> kvtier Loaded, until its load ran
         self.counts: Counter[str] = Counter()
@@ -295,6 +301,7 @@ def _build(vllm_config: Any, kv_cache_config: Any, options: VllmConnectorOptions
                           "processes of their own (tensor parallelism): they share staging "
                           "pages, not kvtier's host tier")
     device = "cpu" if ranked else _device(vllm_config)
+    options = with_direct(options, resolve_direct(options, device, ranked, shape.block_size))
     if options.staging_from_default and device.startswith("cuda"):
         options = with_staging_pages(options, default_staging_pages(
             vllm_config.model_config.max_model_len, layout, _free_gpu_bytes(device)))
@@ -340,12 +347,6 @@ def default_staging_pages(max_model_len: int, layout: KVLayout, free_gpu_bytes: 
     wanted = 2 * -(-max(1, int(max_model_len)) // layout.page_size)
     room = free_gpu_bytes // 2 // layout.page_bytes
     return max(DEFAULT_STAGING_PAGES, min(wanted, room))
-
-
-def with_staging_pages(options: VllmConnectorOptions, pages: int) -> VllmConnectorOptions:
-    config = options.config
-    cache = dataclasses.replace(config.cache, device_pages=pages)
-    return dataclasses.replace(options, config=dataclasses.replace(config, cache=cache))
 
 
 def _free_gpu_bytes(device: str) -> int:
