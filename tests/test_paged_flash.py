@@ -101,6 +101,48 @@ def test_the_flash_kernel_equals_plain_attention(page, kv_heads, n_rep, start, c
                                atol=1e-5)
 
 
+def test_positions_past_the_end_of_the_last_page_never_reach_the_result():
+    """The last page's positions past the sequence hold another request's bytes (NaN here):
+    the masked block reads them as zeros, through pointers or tensor descriptors alike (pages
+    of whole blocks take descriptors where ``use_tma`` says so, the interpreter included)."""
+    count, page = 2 * BLOCK + 5, 64
+    k, v, table = _pool(count, page, 2)
+    last = int(table[0, (count - 1) // page])
+    k[last, count % page:] = float("nan")
+    v[last, count % page:] = float("nan")
+    query = _query(count, 8)
+    got = _flash(query, k, v, table, 0)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, _reference(query, k, v, table, 0), rtol=1e-5, atol=1e-5)
+
+
+def test_a_triton_that_cannot_build_descriptor_loads_falls_back_to_pointers(monkeypatch):
+    """The descriptor loads failing to build (an older or broken Triton) cost nothing but the
+    speed: the step is computed through pointers, and later ones go there at once."""
+    real = paged_triton.flash_prefill_kernel
+    built: list[bool] = []
+
+    class Refusing:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                built.append(kw["TMA"])
+                if kw["TMA"]:
+                    raise RuntimeError("PassManager::run failed")
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(paged_triton, "flash_prefill_kernel", Refusing())
+    monkeypatch.setattr(paged_triton, "_DESCRIPTORS_FAILED", None)
+    count, page = 2 * BLOCK + 5, 64
+    k, v, table = _pool(count, page, 2)
+    query = _query(count, 8)
+    for _ in range(2):
+        got = _flash(query, k, v, table, 0)
+        torch.testing.assert_close(got, _reference(query, k, v, table, 0), rtol=1e-5, atol=1e-5)
+    assert built == [True, False, False]
+    assert "PassManager" in paged_triton._DESCRIPTORS_FAILED
+
+
 def test_the_16_bit_path_equals_plain_attention():
     """fp16 stands in for bf16 on the CPU (the interpreter's bf16 dot is wrong): 16-bit loads
     and products, fp32 softmax."""

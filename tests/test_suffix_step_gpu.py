@@ -126,3 +126,30 @@ def _service(model: str, dtype: str, graph_tokens: int) -> EngineService:
                             "cache.device_pages": 512, "cache.page_size": 16,
                             "engine.prefill_chunk_tokens": 4096})
     return EngineService.build(config, max_running=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("start,count", [(0, 5000), (4096, 77), (33000, 1)])
+def test_descriptor_loads_give_the_pointer_loads_bits(dtype, start, count, monkeypatch):
+    """Pages of whole blocks on Hopper go through tensor descriptors (``use_tma``): the same
+    values as pointer loads, so the same bits, or a hit's suffix (the split launch reads by
+    pointer) would differ from its recompute."""
+    from kvtier.engine import paged_triton
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("tensor descriptors need compute capability 9")
+    kv_heads, n_rep, dim, page = 8, 4, 128, 64
+    gen = torch.Generator(device="cuda").manual_seed(count)
+    pages = -(-(start + count) // page) + 1
+    k = torch.randn(pages, page, kv_heads, dim, device="cuda", generator=gen).to(dtype)
+    v = torch.randn(pages, page, kv_heads, dim, device="cuda", generator=gen).to(dtype)
+    table = torch.randperm(pages, device="cuda", generator=gen)[None].to(torch.int32)
+    query = torch.randn(count, kv_heads * n_rep, dim, device="cuda", generator=gen).to(dtype)
+    per = paged_triton.tokens_per_tile(n_rep)
+    blocks = torch.as_tensor([(0, off, min(per, count - off), start + off)
+                              for off in range(0, count, per)], dtype=torch.int32, device="cuda")
+    assert paged_triton.use_tma(k, v)
+    described = paged_triton.paged_attention(query, k, v, table, blocks, dim ** -0.5, per)
+    monkeypatch.setattr(paged_triton, "use_tma", lambda *_: False)
+    pointed = paged_triton.paged_attention(query, k, v, table, blocks, dim ** -0.5, per)
+    assert torch.equal(described, pointed)

@@ -6,8 +6,10 @@ many, as the engine's scheduler cuts them) through ``kvtier.engine.paged_triton`
 ``--configs`` entry, and through torch's flash ``scaled_dot_product_attention`` on the same
 queries and keys laid out contiguously (the peer's rate on this GPU). A config is
 ``BLOCK_N/CHUNK/warps/stages``: keys a block, keys a chunk summed from scratch, and the
-launch's warps and software-pipeline stages. Prints TFLOP/s of the causal work, each config's
-time over flash SDPA's and its largest difference from SDPA's output; writes
+launch's warps and software-pipeline stages; ``/ptr`` after them reads keys through pointers
+where the kernel would take tensor descriptors (``paged_triton.use_tma``). Prints TFLOP/s
+of the causal work, each config's time over flash SDPA's and its largest difference from
+SDPA's output; writes
 ``attention_sweep.json`` (with the machine's facts) under ``--out``. A config other than the
 engine's changes how sums are cut, so it would need the split launch changed with it (the
 numerics contract in ``kvtier.engine.paged_tiles``); this script only times it. Main thread.
@@ -24,18 +26,20 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_CONFIGS = ",".join([
-    "64/1024/8/2", "64/1024/8/3", "64/1024/8/4", "64/2048/8/3", "128/1024/8/2", "128/1024/8/3",
-    "128/2048/8/2", "64/1024/4/3",
+    "64/1024/8/2", "64/1024/8/3", "64/1024/8/4", "64/1024/8/2/ptr", "64/1024/8/3/ptr",
+    "64/2048/8/3", "128/1024/8/2", "128/1024/8/3", "64/1024/4/3",
 ])
 
 
 def parse_config(text: str) -> dict[str, Any]:
     fields = text.split("/")
+    loads = fields.pop() if len(fields) == 5 and fields[-1] in ("ptr", "tma") else ""
     if len(fields) != 4 or not all(f.isdigit() for f in fields):
-        raise ValueError(f"config {text!r}: want BLOCK_N/CHUNK/warps/stages, four integers")
+        raise ValueError(f"config {text!r}: want BLOCK_N/CHUNK/warps/stages, four integers, "
+                         "then optionally /ptr (pointer loads) or /tma (tensor descriptors)")
     block_n, chunk, warps, stages = (int(f) for f in fields)
     return {"name": text, "block_n": block_n, "chunk": chunk, "num_warps": warps,
-            "num_stages": stages}
+            "num_stages": stages, "pointers": loads == "ptr"}
 
 
 def main() -> None:
@@ -108,10 +112,16 @@ def main() -> None:
             launch = {"num_warps": c["num_warps"], "num_stages": c["num_stages"]} if cuda else None
 
             def run(c: dict[str, Any] = c, launch: dict[str, int] | None = launch) -> None:
-                for t in tiles:
-                    paged_triton.paged_attention(q, k, v, table, t, scale, per, out,
-                                                 chunk=c["chunk"], block_n=c["block_n"],
-                                                 launch=launch)
+                chosen = paged_triton.use_tma
+                if c["pointers"]:       # descriptors off for this config only
+                    paged_triton.use_tma = lambda *_: False
+                try:
+                    for t in tiles:
+                        paged_triton.paged_attention(q, k, v, table, t, scale, per, out,
+                                                     chunk=c["chunk"], block_n=c["block_n"],
+                                                     launch=launch)
+                finally:
+                    paged_triton.use_tma = chosen
             try:
                 ms = timed(run)
             except Exception as exc:   # a config this GPU cannot hold (shared memory)

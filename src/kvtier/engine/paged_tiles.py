@@ -5,7 +5,9 @@ keys is summed, whichever launch computes it (``paged_triton``'s flash kernel fo
 and chunks, ``paged_prefill_split``'s split launch for a hit's few new tokens):
 
 - keys are read in blocks of ``BLOCK_N`` positions aligned on position 0 (``load_block``:
-  one page-table lookup per block when pages hold whole blocks, one per key otherwise);
+  one page-table lookup per block when pages hold whole blocks, one per key otherwise; with
+  ``TMA`` the block comes through Hopper's tensor-memory accelerator from a tensor
+  descriptor over the pages, the same values, no address tiles in registers);
 - a block updates a chunk's online softmax (``attend_block``): the scores stay unscaled
   until they are shifted by the running maximum, ``exp2((s - m) * scale)``, so no step
   can be contracted into a fused multiply-add on one path and not on another; the masked
@@ -49,14 +51,27 @@ NUM_WARPS = 8
 @triton.jit
 def load_block(k_ptr, v_ptr, table_ptr, seq, max_pages, page_size, sk_tok, sk_h, kv_head,
                start, end, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-               PAGE_RUN: tl.constexpr, CHECK_END: tl.constexpr):
+               PAGE_RUN: tl.constexpr, CHECK_END: tl.constexpr, TMA: tl.constexpr = False):
     """Keys and values ``[start, start + BLOCK_N)`` of one sequence (positions at or past
     ``end`` read as zeros; ``CHECK_END`` False: the caller knows the block ends before
     ``end``) as ``[BLOCK_N, HEAD_DIM]`` tiles. ``PAGE_RUN``: a page holds whole blocks
-    (``page_size`` a multiple of ``BLOCK_N``), so one lookup finds the block's page."""
+    (``page_size`` a multiple of ``BLOCK_N``), so one lookup finds the block's page.
+    ``TMA`` (with ``PAGE_RUN``): ``k_ptr``/``v_ptr`` are tensor descriptors over the pages
+    as ``[pages * page_size, kv_heads * HEAD_DIM]`` rows with ``[BLOCK_N, HEAD_DIM]`` boxes;
+    a page's rows past ``end`` hold other positions' bytes, zeroed here as the masked load
+    zeroes them."""
     dims = tl.arange(0, HEAD_DIM)
     cols = start + tl.arange(0, BLOCK_N)
     col_ok = cols < end
+    if TMA:
+        page = tl.load(table_ptr + seq * max_pages + start // page_size)
+        row = page * page_size + start % page_size
+        k = k_ptr.load([row, kv_head * HEAD_DIM])
+        v = v_ptr.load([row, kv_head * HEAD_DIM])
+        if CHECK_END:
+            k = tl.where(col_ok[:, None], k, 0.0)
+            v = tl.where(col_ok[:, None], v, 0.0)
+        return k, v
     if PAGE_RUN:
         page = tl.load(table_ptr + seq * max_pages + start // page_size)
         slot = page.to(tl.int64) * page_size + (start % page_size) + tl.arange(0, BLOCK_N)
