@@ -131,9 +131,10 @@ def _service(model: str, dtype: str, graph_tokens: int) -> EngineService:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("start,count", [(0, 5000), (4096, 77), (33000, 1)])
 def test_descriptor_loads_give_the_pointer_loads_bits(dtype, start, count, monkeypatch):
-    """Pages of whole blocks on Hopper go through tensor descriptors (``use_tma``): the same
-    values as pointer loads, so the same bits, or a hit's suffix (the split launch reads by
-    pointer) would differ from its recompute."""
+    """Pages of whole blocks on Hopper through tensor descriptors (``use_tma`` with
+    ``GPU_DESCRIPTORS`` on): the same values as pointer loads, so they must give the same
+    bits, or a hit's suffix (the split launch reads by pointer) would differ from its
+    recompute."""
     from kvtier.engine import paged_triton
 
     if torch.cuda.get_device_capability()[0] < 9:
@@ -148,6 +149,7 @@ def test_descriptor_loads_give_the_pointer_loads_bits(dtype, start, count, monke
     per = paged_triton.tokens_per_tile(n_rep)
     blocks = torch.as_tensor([(0, off, min(per, count - off), start + off)
                               for off in range(0, count, per)], dtype=torch.int32, device="cuda")
+    monkeypatch.setattr(paged_triton, "GPU_DESCRIPTORS", True)
     assert paged_triton.use_tma(k, v)
     described = paged_triton.paged_attention(query, k, v, table, blocks, dim ** -0.5, per)
     monkeypatch.setattr(paged_triton, "use_tma", lambda *_: False)

@@ -6,8 +6,9 @@ many, as the engine's scheduler cuts them) through ``kvtier.engine.paged_triton`
 ``--configs`` entry, and through torch's flash ``scaled_dot_product_attention`` on the same
 queries and keys laid out contiguously (the peer's rate on this GPU). A config is
 ``BLOCK_N/CHUNK/warps/stages``: keys a block, keys a chunk summed from scratch, and the
-launch's warps and software-pipeline stages; ``/ptr`` after them reads keys through pointers
-where the kernel would take tensor descriptors (``paged_triton.use_tma``). Prints TFLOP/s
+launch's warps and software-pipeline stages; ``/tma`` or ``/ptr`` after them reads pages of
+whole blocks through tensor descriptors or pointers (``paged_triton.use_tma``; without
+either, what the engine would do). Prints TFLOP/s
 of the causal work, each config's time over flash SDPA's and its largest difference from
 SDPA's output; writes
 ``attention_sweep.json`` (with the machine's facts) under ``--out``. A config other than the
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_CONFIGS = ",".join([
-    "64/1024/8/2", "64/1024/8/3", "64/1024/8/4", "64/1024/8/2/ptr", "64/1024/8/3/ptr",
+    "64/1024/8/2", "64/1024/8/3", "64/1024/8/4", "64/1024/8/2/tma", "64/1024/8/3/tma",
     "64/2048/8/3", "128/1024/8/2", "128/1024/8/3", "64/1024/4/3",
 ])
 
@@ -39,7 +40,7 @@ def parse_config(text: str) -> dict[str, Any]:
                          "then optionally /ptr (pointer loads) or /tma (tensor descriptors)")
     block_n, chunk, warps, stages = (int(f) for f in fields)
     return {"name": text, "block_n": block_n, "chunk": chunk, "num_warps": warps,
-            "num_stages": stages, "pointers": loads == "ptr"}
+            "num_stages": stages, "loads": loads}
 
 
 def main() -> None:
@@ -112,8 +113,10 @@ def main() -> None:
             launch = {"num_warps": c["num_warps"], "num_stages": c["num_stages"]} if cuda else None
 
             def run(c: dict[str, Any] = c, launch: dict[str, int] | None = launch) -> None:
-                chosen = paged_triton.use_tma
-                if c["pointers"]:       # descriptors off for this config only
+                chosen = paged_triton.GPU_DESCRIPTORS, paged_triton.use_tma
+                if c["loads"] == "tma":     # descriptors on GPUs for this config only
+                    paged_triton.GPU_DESCRIPTORS = True
+                elif c["loads"] == "ptr":   # and off
                     paged_triton.use_tma = lambda *_: False
                 try:
                     for t in tiles:
@@ -121,7 +124,7 @@ def main() -> None:
                                                      chunk=c["chunk"], block_n=c["block_n"],
                                                      launch=launch)
                 finally:
-                    paged_triton.use_tma = chosen
+                    paged_triton.GPU_DESCRIPTORS, paged_triton.use_tma = chosen
             try:
                 ms = timed(run)
             except Exception as exc:   # a config this GPU cannot hold (shared memory)

@@ -10,7 +10,7 @@ tokens of one sequence times the ``n_rep`` query heads sharing one KV head (grou
 attention packed into the tile, no copies). One program takes one tile and one KV head and
 walks the sequence's keys from position 0 in blocks of ``BLOCK_N``: a block's page is found
 with one table lookup when pages hold whole blocks (any page size works, one lookup per key
-otherwise) and then, on Hopper and later, read through tensor descriptors (``use_tma``);
+otherwise) and then read by pointers or through tensor descriptors (``use_tma``);
 blocks every row of the tile sees whole run without a mask, only the last few (the causal
 diagonal) are masked, and blocks past the tile's last query are never read. The
 softmax is online in fp32 with the dots in bf16/fp16 on the tensor cores, fp32 in IEEE
@@ -62,6 +62,12 @@ except ImportError:   # an older Triton: pointer loads only
 log = logging.getLogger(__name__)
 #: Why the descriptor loads failed to build in this process (then pointer loads), or None.
 _DESCRIPTORS_FAILED: str | None = None
+#: Descriptor loads on GPUs (``use_tma``): off until measured there. The interpreter runs them
+#: (the CPU tests check their values); on a GPU they must first be shown to give the pointer
+#: loads' bits (``tests/test_suffix_step_gpu.py``, which turns them on; the split launch a
+#: hit's suffix takes reads through pointers) and to be faster
+#: (``benchmarks/engine/attention_sweep.py``'s ``/tma`` against ``/ptr`` configs).
+GPU_DESCRIPTORS = False
 
 __all__ = ["BLOCK_N", "CHUNK_TOKENS", "CONFIGS", "MAX_ROWS", "NUM_WARPS", "TritonBatch",
            "paged_attention",
@@ -270,18 +276,18 @@ def paged_attention(query: torch.Tensor, key_pages: torch.Tensor, value_pages: t
 
 def use_tma(key_pages: torch.Tensor, value_pages: torch.Tensor, block_n: int = BLOCK_N) -> bool:
     """Whether the flash kernel reads key blocks through tensor descriptors: pages holding
-    whole blocks, on a GPU with a tensor-memory accelerator (compute capability 9 or later)
-    or in the interpreter (which checks the same code on the CPU). The values are the
-    pointer loads' (the sums do not change); on an H100 a plain flash kernel ran 0.66x
-    flash SDPA's time with them against 0.74x without
+    whole blocks, in the interpreter (which checks the code on the CPU) or, with
+    ``GPU_DESCRIPTORS``, on a GPU with a tensor-memory accelerator (compute capability 9 or
+    later). The values are the pointer loads' (the sums do not change); on an H100 a plain
+    flash kernel ran 0.66x flash SDPA's time with them against 0.74x without
     (``benchmarks/results/attention_ceiling_h100.txt``)."""
     if not page_run(key_pages.shape[1], block_n) or TensorDescriptor is None \
             or _DESCRIPTORS_FAILED:
         return False
     if INTERPRET:
         return True
-    return (key_pages.is_cuda and torch.cuda.get_device_capability(key_pages.device)[0] >= 9
-            and value_pages.is_cuda)
+    return (GPU_DESCRIPTORS and key_pages.is_cuda and value_pages.is_cuda
+            and torch.cuda.get_device_capability(key_pages.device)[0] >= 9)
 
 
 def page_descriptor(pages: torch.Tensor, block_n: int = BLOCK_N) -> Any:
