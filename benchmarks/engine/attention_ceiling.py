@@ -58,6 +58,16 @@ def _attend(q, k, v, m_i, l_i, acc, rows, start_n, scale_log2,
 
 
 @triton.jit
+def _load_kv(k_src, v_src, row, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+             TMA: tl.constexpr):
+    """Rows ``[row, row + BLOCK_N)`` of K and V, through descriptors or pointers."""
+    if TMA:
+        return k_src.load([row, 0]), v_src.load([row, 0])
+    offsets = (row + tl.arange(0, BLOCK_N))[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    return tl.load(k_src + offsets), tl.load(v_src + offsets)
+
+
+@triton.jit
 def dense_attention_kernel(q_src, k_src, v_src, out_ptr, n_tokens, n_rep, scale_log2,
                            HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
@@ -79,23 +89,11 @@ def dense_attention_kernel(q_src, k_src, v_src, out_ptr, n_tokens, n_rep, scale_
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for start_n in tl.range(0, start_m, BLOCK_N, warp_specialize=WS):
-        if TMA:
-            k = k_src.load([kv_row + start_n, 0])
-            v = v_src.load([kv_row + start_n, 0])
-        else:
-            offsets = (kv_row + start_n + tl.arange(0, BLOCK_N))[:, None] * HEAD_DIM + dims[None, :]
-            k = tl.load(k_src + offsets)
-            v = tl.load(v_src + offsets)
+        k, v = _load_kv(k_src, v_src, kv_row + start_n, HEAD_DIM, BLOCK_N, TMA)
         m_i, l_i, acc = _attend(q, k, v, m_i, l_i, acc, rows, start_n, scale_log2, BLOCK_N,
                                 False)
-    for start_n in tl.range(start_m, start_m + BLOCK_M, BLOCK_N):
-        if TMA:
-            k = k_src.load([kv_row + start_n, 0])
-            v = v_src.load([kv_row + start_n, 0])
-        else:
-            offsets = (kv_row + start_n + tl.arange(0, BLOCK_N))[:, None] * HEAD_DIM + dims[None, :]
-            k = tl.load(k_src + offsets)
-            v = tl.load(v_src + offsets)
+    for start_n in tl.range(start_m, start_m + BLOCK_M, BLOCK_N):   # the causal diagonal
+        k, v = _load_kv(k_src, v_src, kv_row + start_n, HEAD_DIM, BLOCK_N, TMA)
         m_i, l_i, acc = _attend(q, k, v, m_i, l_i, acc, rows, start_n, scale_log2, BLOCK_N,
                                 True)
     acc = acc / l_i[:, None]
@@ -155,8 +153,7 @@ def main() -> None:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from kernel_timing import causal_tflops, device_ms
-    from kvtier.engine.presets import PRESETS
+    from kernel_timing import causal_tflops, device_ms, preset_heads
     from kvtier.machine import format_table, write_report
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -167,9 +164,7 @@ def main() -> None:
     p.add_argument("--configs", default=DEFAULT_CONFIGS)
     p.add_argument("--iters", type=int, default=5)
     args = p.parse_args()
-    config = PRESETS[args.preset].config
-    heads, kv_heads = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
-    dim = int(config.get("head_dim") or config["hidden_size"] // heads)
+    heads, kv_heads, dim = preset_heads(args.preset)
     scale = dim ** -0.5
     device = torch.device(args.device)
     cuda = device.type == "cuda"

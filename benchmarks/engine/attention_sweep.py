@@ -47,9 +47,8 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from kernel_timing import causal_tflops, device_ms
+    from kernel_timing import causal_tflops, device_ms, preset_heads
     from kvtier.engine import paged_triton
-    from kvtier.engine.presets import PRESETS
     from kvtier.machine import format_table, write_report
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -62,9 +61,7 @@ def main() -> None:
     p.add_argument("--configs", default=DEFAULT_CONFIGS)
     p.add_argument("--iters", type=int, default=5)
     args = p.parse_args()
-    config = PRESETS[args.preset].config
-    heads, kv_heads = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
-    dim = int(config.get("head_dim") or config["hidden_size"] // heads)
+    heads, kv_heads, dim = preset_heads(args.preset)
     n_rep, scale = heads // kv_heads, dim ** -0.5
     device, dtype = torch.device(args.device), torch.bfloat16
     gen = torch.Generator(device=device).manual_seed(0)

@@ -12,7 +12,7 @@ import argparse
 import json
 from typing import Any
 
-from kernel_timing import causal_tflops, device_ms
+from kernel_timing import causal_tflops, device_ms, preset_heads
 from vllm_gpu_case import log
 
 
@@ -21,11 +21,8 @@ def kernel_case(args: argparse.Namespace) -> dict[str, Any]:
     import torch.nn.functional as F
 
     from kvtier.engine import paged_prefill_split, paged_triton
-    from kvtier.engine.presets import PRESETS
 
-    config = PRESETS[args.preset].config
-    heads, kv_heads = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
-    dim = int(config.get("head_dim") or config["hidden_size"] // heads)
+    heads, kv_heads, dim = preset_heads(args.preset)
     dtype, device = torch.bfloat16, torch.device(args.device)   # cpu: TRITON_INTERPRET=1
     scale = dim ** -0.5
     n_rep = heads // kv_heads

@@ -1,10 +1,11 @@
 """How the kernel benchmarks time one call and rate causal attention: shared by
-``engine_vs_vllm_kernel.py`` and ``attention_sweep.py``.
+``engine_vs_vllm_kernel.py``, ``attention_sweep.py`` and ``attention_ceiling.py``.
 
 Owns ``device_ms`` (a call's mean time over CUDA events after one warm-up, or one wall-clock
-run on the CPU, where the scripts only dry-run) and ``causal_tflops`` (the rate of a causal
+run on the CPU, where the scripts only dry-run), ``causal_tflops`` (the rate of a causal
 prompt's attention: four multiply-adds' worth of FLOPs a (query, key) pair, head and head-dim
-element). Called on the main thread of the script that imports it.
+element) and ``preset_heads`` (a preset's query heads, KV heads and head_dim). Called on the
+main thread of the script that imports it.
 """
 
 from __future__ import annotations
@@ -37,3 +38,12 @@ def causal_tflops(heads: int, dim: int, length: int, ms: float) -> float:
     """TFLOP/s of one layer's causal attention over ``length`` tokens done in ``ms``."""
     pairs = length * (length + 1) // 2          # (query, key) pairs a causal prompt has
     return round(4 * heads * dim * pairs / (ms * 1e-3) / 1e12, 1)
+
+
+def preset_heads(preset: str) -> tuple[int, int, int]:
+    """Query heads, KV heads and head_dim of one of kvtier's model presets."""
+    from kvtier.engine.presets import PRESETS
+
+    config = PRESETS[preset].config
+    heads, kv_heads = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
+    return heads, kv_heads, int(config.get("head_dim") or config["hidden_size"] // heads)
