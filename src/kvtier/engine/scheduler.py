@@ -197,12 +197,8 @@ class Scheduler:
                running: bool = True) -> None:
         if running:
             self._running.remove(seq)
-        try:
-            self.engine.finish(seq, reason, error)
-        except Exception:
-            log.exception("finish failed for %s", seq.request.request_id)
-            if not seq.handle.done.is_set():
-                seq.handle._emit(FinishEvent("error", seq.generated, seq.report, "finish failed"))
+        # Counted before the submitter hears of the end: a client that reads /metrics after
+        # its response sees its request there.
         self._count(reason)
         handle = seq.handle
         first = handle.first_token_at
@@ -210,11 +206,17 @@ class Scheduler:
                               ttft_s=None if first is None else first - handle.submitted_at,
                               e2e_s=time.perf_counter() - handle.submitted_at,
                               token_gaps=handle.token_gaps)
+        try:
+            self.engine.finish(seq, reason, error)
+        except Exception:
+            log.exception("finish failed for %s", seq.request.request_id)
+            if not seq.handle.done.is_set():
+                seq.handle._emit(FinishEvent("error", seq.generated, seq.report, "finish failed"))
 
     def _end(self, handle: RequestHandle, event: FinishEvent) -> None:
-        handle._emit(event)
         self._count(event.reason)
         self.requests.observe(event.reason, e2e_s=time.perf_counter() - handle.submitted_at)
+        handle._emit(event)
 
     def _count(self, reason: str) -> None:
         with self._lock:
