@@ -295,7 +295,7 @@ def test_the_configured_eviction_policy_runs_the_device_and_host_tiers(flag, nam
 
 
 def test_the_copy_warm_up_runs_each_copy_once_on_free_pages_and_gives_them_back(caplog) -> None:
-    from kvtier.cache import warm_up_copies
+    from kvtier.controller.wiring import warm_up_copies
 
     with make_cache() as cache:
         tokens = prompt(3, seed=4)

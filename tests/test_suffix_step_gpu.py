@@ -149,9 +149,15 @@ def test_descriptor_loads_give_the_pointer_loads_bits(dtype, start, count, monke
     per = paged_triton.tokens_per_tile(n_rep)
     blocks = torch.as_tensor([(0, off, min(per, count - off), start + off)
                               for off in range(0, count, per)], dtype=torch.int32, device="cuda")
+    launch = {"num_warps": paged_triton.NUM_WARPS, "num_stages": 3}   # one build a case
     monkeypatch.setattr(paged_triton, "GPU_DESCRIPTORS", True)
+    monkeypatch.setattr(paged_triton, "_DESCRIPTORS_FAILED", None)
     assert paged_triton.use_tma(k, v)
-    described = paged_triton.paged_attention(query, k, v, table, blocks, dim ** -0.5, per)
+    described = paged_triton.paged_attention(query, k, v, table, blocks, dim ** -0.5, per,
+                                             launch=launch)
+    # Built through descriptors, not fallen back to pointers (which would match trivially).
+    assert paged_triton._DESCRIPTORS_FAILED is None
     monkeypatch.setattr(paged_triton, "use_tma", lambda *_: False)
-    pointed = paged_triton.paged_attention(query, k, v, table, blocks, dim ** -0.5, per)
+    pointed = paged_triton.paged_attention(query, k, v, table, blocks, dim ** -0.5, per,
+                                           launch=launch)
     assert torch.equal(described, pointed)

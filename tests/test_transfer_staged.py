@@ -107,18 +107,19 @@ def test_merge_runs_keeps_copies_that_do_not_continue_each_other():
     assert [a.tolist() for a in merged] == [[0, 20, 40], [100, 200, 210], [20, 10, 10]]
 
 
-def test_auto_sends_only_one_piece_loads_through_the_copy_engines():
+def test_auto_sends_loads_through_the_copy_engines_and_stores_through_the_kernels():
     dev, host = make_pools(LAYOUT, 9, 11, "page_first", seed=9)
     want_dev, want_host = make_pools(LAYOUT, 9, 11, "page_first", seed=9)
     batch = host_memmove()
     engine = CopyEngine(dev, host, path="auto", staging_bytes=3 * LAYOUT.page_bytes,
                         batch_copy=batch)
     assert engine.path == "auto" and engine.staging_bytes == 3 * LAYOUT.page_bytes  # load only
-    engine.load_layerwise([4, 8], [0, 1]).wait(0)
     engine.store([5, 6], [9, 10]).wait(0)
     assert batch.calls == 0                       # by the kernels
+    engine.load_layerwise([4, 8], [0, 1]).wait(0)
+    assert batch.calls == LAYOUT.num_layers       # one copy-engine batch a layer
     engine.load([7, 2, 3], [2, 3, 4]).wait(0)
-    assert batch.calls == 1                       # one piece: by the copy engines
+    assert batch.calls == LAYOUT.num_layers + 1   # one piece: one batch
     part_by_part("load", want_dev, want_host, [4, 8], [0, 1], range(LAYOUT.num_layers))
     part_by_part("store", want_dev, want_host, [5, 6], [9, 10], range(LAYOUT.num_layers))
     part_by_part("load", want_dev, want_host, [7, 2, 3], [2, 3, 4], range(LAYOUT.num_layers))

@@ -183,12 +183,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="kvtier's page pool share of the free device memory (throughput runs)")
     p.add_argument("--kvtier-ttft-fraction", type=float, default=0.3,
                    help="each of the two TTFT services' page pool share (kvtier bench ttft's)")
+    p.add_argument("--kvtier-set", default="",
+                   help="kvtier config settings beside the script's, KEY=VALUE,... (e.g. "
+                        "host.copy_path=copy_engine,host.load_programs=0): a variant's run")
+    p.add_argument("--kvtier-tma", action="store_true",
+                   help="kvtier's paged prefill reads pages through tensor descriptors on the "
+                        "GPU (paged_triton.GPU_DESCRIPTORS)")
     p.add_argument("--budget-s", type=float, default=540.0, help="all cases of this run")
     p.add_argument("--case-timeout-s", type=float, default=330.0)
     args = p.parse_args(argv)
     args.child_argv = [a for a in argv if a != "--kernel-only"]
     args.lengths = [int(x) for x in str(args.lengths).split(",") if x]
     args.levels = [int(x) for x in str(args.levels).split(",") if x]
+    try:
+        args.kvtier_set = dict(item.split("=", 1) for item in str(args.kvtier_set).split(",")
+                               if item)
+    except ValueError:
+        p.error(f"--kvtier-set wants KEY=VALUE,...; got {args.kvtier_set!r}")
     args.cases = ["kernel"] if args.kernel_only else \
         [c for c in str(args.cases).split(",") if c]
     unknown = [c for c in args.cases if c not in CASES]

@@ -35,6 +35,10 @@ def kvtier_case(args: argparse.Namespace, deterministic: bool = False) -> dict[s
     from kvtier.engine.hf import load_model
 
     res: dict[str, Any] = {}
+    if args.kvtier_tma:
+        from kvtier.engine import paged_triton
+
+        paged_triton.GPU_DESCRIPTORS = True
     started = time.perf_counter()
     lm = load_model(args.preset, device=args.device, dtype=args.dtype, deterministic=deterministic)
     res["load_s"] = round(time.perf_counter() - started, 1)
@@ -43,7 +47,7 @@ def kvtier_case(args: argparse.Namespace, deterministic: bool = False) -> dict[s
     flags = {"engine.model": args.preset, "engine.device": args.device, "engine.dtype": args.dtype,
              "host.pool_bytes": host_pool, "host.pinned_budget_bytes": pinned,
              "cache.device_memory_fraction": str(args.kvtier_ttft_fraction),
-             "engine.deterministic": str(deterministic).lower()}
+             "engine.deterministic": str(deterministic).lower(), **args.kvtier_set}
     config = build_config(env={}, flags=flags)
 
     class SameIds(TtftRun):
@@ -73,7 +77,8 @@ def kvtier_case(args: argparse.Namespace, deterministic: bool = False) -> dict[s
     service = _service(lm, args.device, args.dtype, max(args.levels), host_pool,
                        device_fraction=args.kvtier_device_fraction,
                        extra={"host.pinned_budget_bytes": pinned,
-                              "engine.deterministic": str(deterministic).lower()})
+                              "engine.deterministic": str(deterministic).lower(),
+                              **args.kvtier_set})
     try:
         _generate_all(service, [prompt(64, seed=990 + i) for i in range(2)], 8)   # warm-up
         graphs = service.engine.decode_graphs

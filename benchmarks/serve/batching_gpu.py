@@ -20,6 +20,7 @@ import json
 import random
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -96,18 +97,24 @@ def check_model(model: str, device: str, prompts: int, length: int, new: int) ->
 
 
 def _timed_concurrent(service: EngineService, prompts: list[list[int]], new: int) -> dict[str, Any]:
+    """Submit ``prompts`` at once; each request's events are read on a thread of its own, so a
+    first token is timed when it arrives, not when the reader reaches its request."""
     started = time.perf_counter()
     handles = [service.submit(GenerationRequest(tuple(p), new)) for p in prompts]
-    ttfts, tokens = [], 0
-    for h in handles:
-        first = None
-        for event in h.events(1800):
-            if isinstance(event, TokenEvent):
-                first = first or time.perf_counter()
-                tokens += 1
-            else:
+
+    def read(handle: Any) -> tuple[float, int]:
+        first, count = None, 0
+        for event in handle.events(1800):
+            if not isinstance(event, TokenEvent):
                 break
-        ttfts.append((first or time.perf_counter()) - started)
+            first = first or time.perf_counter()
+            count += 1
+        return (first or time.perf_counter()) - started, count
+
+    with ThreadPoolExecutor(max_workers=len(handles)) as pool:
+        read_back = list(pool.map(read, handles))
+    ttfts = [ttft for ttft, _ in read_back]
+    tokens = sum(count for _, count in read_back)
     _sync()
     seconds = time.perf_counter() - started
     return {"requests": len(prompts), "generated_tokens": tokens, "seconds": round(seconds, 3),

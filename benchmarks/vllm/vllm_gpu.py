@@ -17,7 +17,9 @@ Every case runs in a fresh process (``--case NAME``) on one GPU, with an 8B-shap
   device tier, reset vLLM's prefix cache, replay (a host-tier hit); then, as in ``alone``, the
   TTFT of unseen prompts and (``graphs``) the throughput with kvtier on and no hit (the miss
   path);
-- ``disk_store`` then ``disk_hit``: kvtier with a disk tier; the first process stores the
+- ``disk_store`` then ``disk_hit``: kvtier with a disk tier and the connector's defaults (the
+  direct path on CUDA; ``kvtier`` and its non-direct variants take the staged path, with
+  ``--staging-pages``); the first process stores the
   prompts and exits (its exit hook drains the writes); with ``--disk-cache cold`` (the
   default) the parent then drops the store's files from the OS page cache (``disk_probe.evict``),
   so the hit reads the disk (``warm``: whatever the page cache kept); a fresh process serves

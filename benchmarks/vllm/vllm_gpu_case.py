@@ -80,13 +80,12 @@ class Case:
             from vllm.config import KVTransferConfig
 
             extra: dict[str, Any] = {"host_pool_bytes": f"{a.host_gib}GiB",
-                                     "pinned_budget_bytes": f"{a.host_gib + 2}GiB",
-                                     "staging_pages": a.staging_pages}
-            if self.name.startswith("disk"):
+                                     "pinned_budget_bytes": f"{a.host_gib + 2}GiB"}
+            if self.name.startswith("disk"):    # the connector's defaults (direct on CUDA)
                 extra["disk_url"] = f"file://{a.disk_dir}"
             extra.update(VARIANTS.get(self.name, {}))
-            if extra.get("direct"):             # the direct path stages nothing
-                del extra["staging_pages"]
+            if not self.name.startswith("disk") and not extra.get("direct"):
+                extra["staging_pages"] = a.staging_pages    # the staged path
             kw["kv_transfer_config"] = KVTransferConfig(
                 kv_connector="KvtierConnector",
                 kv_connector_module_path="kvtier.integrations.vllm",

@@ -34,7 +34,6 @@ Engine thread only (one thread calls every method); IO runs on worker threads in
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -45,7 +44,12 @@ from kvtier.controller.controller import CacheController
 from kvtier.controller.handles import Held, Hit, Loaded
 from kvtier.controller.ranks import Collective
 from kvtier.controller.rates import RateBook
-from kvtier.controller.wiring import bind_host_pool, open_guarded_stores
+from kvtier.controller.wiring import (
+    bind_host_pool,
+    head_group_stores,
+    open_guarded_stores,
+    warm_up_copies,
+)
 from kvtier.errors import ConfigError, LayoutMismatch
 from kvtier.index.radix import RadixIndex
 from kvtier.keys import KeyNamespace, Tokens
@@ -62,7 +66,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Hit", "Loaded", "TieredCache"]
 
-log = logging.getLogger(__name__)
 
 STORE_TIERS = ("disk", "remote")
 
@@ -127,7 +130,7 @@ class TieredCache:
             opened = stores if stores is not None else (
                 open_guarded_stores(config, layout) if host_pool else {})
         else:
-            opened = _head_group_stores(config, model_layout, heads, heads_per_record, stores,
+            opened = head_group_stores(config, model_layout, heads, heads_per_record, stores,
                                         open_config=host_pool is not None)
         ctx = CacheContext(
             index=RadixIndex(layout.page_size, allocators={"device": device_pool.allocator},
@@ -345,25 +348,6 @@ class TieredCache:
         self.close()
 
 
-def warm_up_copies(ctx: CacheContext) -> None:
-    """At start, run the copy engine's copies once on a device page and a host page taken from
-    the free pools and given back (``CopyEngine.warm_up``). A failure is logged and left to
-    the first real copy, which fails open like any other."""
-    if ctx.copy is None or ctx.host_pool is None:
-        return
-    taken: dict[str, list[int]] = {}
-    try:
-        for tier in ("device", "host"):
-            taken[tier] = ctx.index.allocate(tier, 1)
-        ctx.copy.warm_up(taken["device"][0], taken["host"][0])
-    except Exception as exc:            # start-up goes on without it
-        log.warning("kvtier: the copy kernels' warm-up failed (%s); they compile at first use",
-                    exc)
-    finally:
-        for tier, ids in taken.items():
-            ctx.index.free(tier, ids)
-
-
 def _check_page_sizes(config: KvtierConfig, layout: KVLayout, namespace: KeyNamespace) -> None:
     if not layout.page_size == namespace.page_size == config.cache.page_size:
         raise ConfigError("cache.page_size", config.cache.page_size,
@@ -386,24 +370,3 @@ def _check_host_tier(config: KvtierConfig, layout: KVLayout,
         raise ConfigError(setting_name("host.pool_bytes"), 0,
                           f"a host pool while {tiers} is set: stores exchange pages with the "
                           "host tier only (give the host pool bytes, or drop the store tier)")
-
-
-def _head_group_stores(config: KvtierConfig, layout: KVLayout, heads: tuple[int, int],
-                       heads_per_record: int, stores: dict[str, PageStore] | None, *,
-                       open_config: bool) -> dict[str, PageStore]:
-    """The rank's view (``HeadGroupStore``) of each shared store of head-group records (for
-    stores opened from the config, inside their guard)."""
-    from kvtier.store.head_groups import HeadGroupStore, check_heads
-
-    record = check_heads(layout, heads, heads_per_record)  # before any store opens
-
-    def view(store: PageStore) -> PageStore:
-        return HeadGroupStore(store, layout, heads, heads_per_record)
-
-    if stores is not None:
-        return {tier: view(store) for tier, store in stores.items()}
-    if not open_config:
-        return {}
-    return open_guarded_stores(config, record, wrap=view,
-                               page_bytes=layout.for_heads(heads).page_bytes)
-

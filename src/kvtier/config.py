@@ -121,16 +121,16 @@ class HostConfig:
     copy_path: str = opt("auto", "How pages cross the bus: kernel (UVA copy kernels), "
                          "copy_engine (the GPU's copy engines through device staging: no SMs "
                          "used; needs page_first and a CUDA 12.8+ driver) or auto (copy engines "
-                         "for loads copied in one piece, whose UVA reads ran at 33-51 GB/s "
-                         "by host where the copy engines held 55 on an H100; kernels for "
-                         "layer-by-layer loads and for stores).",
+                         "for loads, whose UVA reads ran at 33-51 GB/s by host where the copy "
+                         "engines held 55 on an H100; kernels for stores).",
                          choices=("auto", "kernel", "copy_engine"))
     store_programs: int = opt(16, "Grid cap of the device->host copy kernels (write-through "
                               "and write-back copies); 0: one program per SM. A store runs "
                               "beside the forward, which wants every SM; on the H200 16 "
                               "programs store at the bus rate as one per SM does.", minimum=0)
     load_programs: int = opt(16, "Grid cap of the host->device copy kernels that load a hit "
-                             "layer by layer beside the forward; 0: one program per SM. The "
+                             "layer by layer beside the forward (copy_path kernel, or auto "
+                             "without copy engines); 0: one program per SM. The "
                              "forward that overlaps the load wants the SMs; a hit that leaves "
                              "almost nothing to compute (a whole prompt served from the host "
                              "tier) is bus-bound and loads fastest on every SM.", minimum=0)

@@ -2,7 +2,9 @@
 
 Owns ``open_stores`` (the stores a config names, with its defaults for each tier; raises when
 one cannot be opened), ``open_guarded_stores`` (the same, fail-open: each behind a
-``StoreGuard`` that keeps the tier off and retries instead), and the two
+``StoreGuard`` that keeps the tier off and retries instead), ``head_group_stores`` (a
+tensor-parallel rank's views of them), ``warm_up_copies`` (the copy kernels run once at
+build), and the two
 binding functions that every path uses: ``TieredCache.build`` when it builds a cache, and the
 admin operations (``kvtier.admin``) when they attach a store or rebuild the host pool on a live
 one.
@@ -20,6 +22,7 @@ Engine thread only (building, or a change with the engine idle).
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, urlsplit
@@ -35,6 +38,8 @@ from kvtier.units import redact_url
 if TYPE_CHECKING:
     from kvtier.memory.host_pool import HostPool
     from kvtier.store.supervisor import GuardSettings
+
+log = logging.getLogger(__name__)
 
 
 def bind_host_pool(ctx: CacheContext, pool: HostPool | None, config: KvtierConfig) -> None:
@@ -151,6 +156,45 @@ def store_openers(config: KvtierConfig,
             open_store, store.remote_url, page_bytes=layout.page_bytes,
             **_not_in_query(store.remote_url, options)))
     return out
+
+
+def warm_up_copies(ctx: CacheContext) -> None:
+    """At start, run the copy engine's copies once on a device page and a host page taken from
+    the free pools and given back (``CopyEngine.warm_up``). A failure is logged and left to
+    the first real copy, which fails open like any other."""
+    if ctx.copy is None or ctx.host_pool is None:
+        return
+    taken: dict[str, list[int]] = {}
+    try:
+        for tier in ("device", "host"):
+            taken[tier] = ctx.index.allocate(tier, 1)
+        ctx.copy.warm_up(taken["device"][0], taken["host"][0])
+    except Exception as exc:            # start-up goes on without it
+        log.warning("kvtier: the copy kernels' warm-up failed (%s); they compile at first use",
+                    exc)
+    finally:
+        for tier, ids in taken.items():
+            ctx.index.free(tier, ids)
+
+
+def head_group_stores(config: KvtierConfig, layout: KVLayout, heads: tuple[int, int],
+                      heads_per_record: int, stores: dict[str, PageStore] | None, *,
+                      open_config: bool) -> dict[str, PageStore]:
+    """The rank's view (``HeadGroupStore``) of each shared store of head-group records (for
+    stores opened from the config, inside their guard)."""
+    from kvtier.store.head_groups import HeadGroupStore, check_heads
+
+    record = check_heads(layout, heads, heads_per_record)  # before any store opens
+
+    def view(store: PageStore) -> PageStore:
+        return HeadGroupStore(store, layout, heads, heads_per_record)
+
+    if stores is not None:
+        return {tier: view(store) for tier, store in stores.items()}
+    if not open_config:
+        return {}
+    return open_guarded_stores(config, record, wrap=view,
+                               page_bytes=layout.for_heads(heads).page_bytes)
 
 
 def _wrapped(opener: Callable[[], PageStore],

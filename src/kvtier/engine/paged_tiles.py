@@ -63,6 +63,8 @@ def load_block(k_ptr, v_ptr, table_ptr, seq, max_pages, page_size, sk_tok, sk_h,
     dims = tl.arange(0, HEAD_DIM)
     cols = start + tl.arange(0, BLOCK_N)
     col_ok = cols < end
+    # One return, after both branches: Triton compiles the code after a constexpr branch that
+    # returns, so the pointer loads would be built on descriptors.
     if TMA:
         page = tl.load(table_ptr + seq * max_pages + start // page_size)
         row = page * page_size + start % page_size
@@ -71,20 +73,21 @@ def load_block(k_ptr, v_ptr, table_ptr, seq, max_pages, page_size, sk_tok, sk_h,
         if CHECK_END:
             k = tl.where(col_ok[:, None], k, 0.0)
             v = tl.where(col_ok[:, None], v, 0.0)
-        return k, v
-    if PAGE_RUN:
-        page = tl.load(table_ptr + seq * max_pages + start // page_size)
-        slot = page.to(tl.int64) * page_size + (start % page_size) + tl.arange(0, BLOCK_N)
     else:
-        page = tl.load(table_ptr + seq * max_pages + cols // page_size, mask=col_ok, other=0)
-        slot = page.to(tl.int64) * page_size + cols % page_size
-    offsets = slot[:, None] * sk_tok + kv_head * sk_h + dims[None, :]
-    if CHECK_END:
-        k = tl.load(k_ptr + offsets, mask=col_ok[:, None], other=0.0)
-        v = tl.load(v_ptr + offsets, mask=col_ok[:, None], other=0.0)
-    else:
-        k = tl.load(k_ptr + offsets)
-        v = tl.load(v_ptr + offsets)
+        if PAGE_RUN:
+            page = tl.load(table_ptr + seq * max_pages + start // page_size)
+            slot = page.to(tl.int64) * page_size + (start % page_size) + tl.arange(0, BLOCK_N)
+        else:
+            page = tl.load(table_ptr + seq * max_pages + cols // page_size, mask=col_ok,
+                           other=0)
+            slot = page.to(tl.int64) * page_size + cols % page_size
+        offsets = slot[:, None] * sk_tok + kv_head * sk_h + dims[None, :]
+        if CHECK_END:
+            k = tl.load(k_ptr + offsets, mask=col_ok[:, None], other=0.0)
+            v = tl.load(v_ptr + offsets, mask=col_ok[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptr + offsets)
+            v = tl.load(v_ptr + offsets)
     return k, v
 
 

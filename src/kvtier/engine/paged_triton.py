@@ -266,12 +266,21 @@ def paged_attention(query: torch.Tensor, key_pages: torch.Tensor, value_pages: t
         # A Triton that cannot build the descriptor loads here: pointer loads from now on
         # (the same values), said once.
         global _DESCRIPTORS_FAILED
-        _DESCRIPTORS_FAILED = f"{type(exc).__name__}: {str(exc)[:200]}"
+        cause = exc.__cause__ or exc.__context__
+        why = f"{type(exc).__name__}: {_last_words(str(exc))}"
+        _DESCRIPTORS_FAILED = why if cause is None else \
+            f"{why}; caused by {type(cause).__name__}: {_last_words(str(cause))}"
         log.warning("paged prefill: tensor-descriptor loads failed to build (%s); reading "
                     "pages through pointers", _DESCRIPTORS_FAILED)
         return paged_attention(query, key_pages, value_pages, table, blocks, scaling, longest,
                                out, chunk=chunk, block_n=block_n, launch=launch)
     return out
+
+
+def _last_words(message: str, limit: int = 400) -> str:
+    """The end of a compiler's message, on one line: the reason follows the code it quotes."""
+    flat = " ".join(message.split())
+    return flat if len(flat) <= limit else "..." + flat[-limit:]
 
 
 def use_tma(key_pages: torch.Tensor, value_pages: torch.Tensor, block_n: int = BLOCK_N) -> bool:

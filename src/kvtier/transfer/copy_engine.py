@@ -14,9 +14,9 @@ launches one Triton kernel there and records an event. Loads and stores use two 
 that both can run at once. Nothing on the submitting thread ever waits for the device: ``wait``
 polls the event with a short sleep up to its timeout, and a consumer that needs the pages on a
 stream calls ``ticket.stream_wait()`` (a device-side dependency, no host wait).
-``load_layerwise`` launches one kernel per layer with an event after each, so layer ``l`` of a
+``load_layerwise`` launches one copy per layer with an event after each, so layer ``l`` of a
 forward pass can start as soon as its own KV has arrived (``ticket.stream_wait(layer=l)``).
-Those kernels run on a small grid (``layerwise_programs``, ``host.load_programs``, default
+On the kernel path those kernels run on a small grid (``layerwise_programs``, ``host.load_programs``, default
 ``LAYERWISE_LOAD_PROGRAMS``; 0: one per SM): the forward they overlap needs the SMs, and the
 bus does not (an 8B model's 4k-token host hit on the H200 reached its
 first token in 13.6-14.1 ms with 8, 16 or 32 programs, 19.7 ms with one per SM:
@@ -25,15 +25,17 @@ benchmarks/results/ttft_breakdown_graphs_h200.txt).
 ``path="copy_engine"`` moves the bytes with the GPU's copy engines instead of the UVA kernels
 (``staged.StagedCopier``: whole-page or page-and-layer copies through a fixed device staging
 buffer per direction, ``staging_bytes`` each): no SMs used, and a load and a store at once reach
-the bus's duplex rate. ``path="auto"`` (the default) sends only loads submitted in one piece
-(``load``, not ``load_layerwise``) through the copy engines and everything else through the
-kernels: a UVA kernel reads host memory at a rate that depends on the host (on two H100 hosts
-of one kind, 50.7 and 33 GB/s for the same 4.3 GB load, where the copy engines reached 55 on
-both: benchmarks/results/vllm_gpu_h100_*.txt), while its writes to host memory and its per-layer
-launches beside a forward kept their rate; a one-piece load has no forward to overlap and many
-pages to carry, the case the copy engines win. The copy-engine paths need the ``page_first``
-host layout and a driver with ``cuMemcpyBatchAsync``; otherwise the kernels serve and
-``stats()["path_fallback"]`` says why.
+the bus's duplex rate. ``path="auto"`` (the default) sends every load (``load`` and
+``load_layerwise``) through the copy engines and stores through the kernels: a UVA kernel
+reads host memory at a rate that depends on the host (on two H100 hosts of one kind, 50.7 and
+33 GB/s for the same 4.3 GB load, where the copy engines reached 55 on both:
+benchmarks/results/vllm_gpu_h100_*.txt; an 8B model's 32k-token host hit, loaded layer by
+layer beside its forward, reached its first token in 94 ms through the copy engines and in
+145 ms through the kernels on one H100: benchmarks/results/engine_paths_h100.txt), while its
+writes to host memory kept their rate (16 programs store at the bus rate beside the forward).
+The copy-engine paths need the ``page_first`` host layout and a driver with
+``cuMemcpyBatchAsync``; otherwise the kernels serve and ``stats()["path_fallback"]`` says
+why.
 
 Without CUDA (or with ``use_kernels=False``) the torch reference runs synchronously and tickets
 are done at once. Submits come from one thread (the engine thread); tickets may be polled from
@@ -214,11 +216,9 @@ class CopyEngine:
         """``kernel``, ``copy_engine`` or ``auto`` (as asked, unless it fell back to kernels)."""
         return self._path
 
-    def _staged_for(self, plan: CopyPlan, one_piece: bool) -> StagedCopier | None:
+    def _staged_for(self, plan: CopyPlan) -> StagedCopier | None:
         """The copy-engine copier that moves ``plan``, or None for the kernels (``auto`` stages
         loads only, so a store finds none)."""
-        if self._path == "auto" and not one_piece:
-            return None
         return self._staged.get(plan.direction)
 
     @property
@@ -262,7 +262,7 @@ class CopyEngine:
         counts[2] += plan.nbytes
         if plan.num_pages == 0:
             return Ticket(plan.direction, 0, 0)
-        staged = self._staged_for(plan, len(spans) == 1)
+        staged = self._staged_for(plan)
         if not self._streams:
             for start, count in spans:
                 self._run_now(_with_layers(plan, start, count), staged)

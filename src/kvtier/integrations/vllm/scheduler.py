@@ -19,8 +19,9 @@ the last leg, host tier -> staging pages, is left in flight on kvtier's load str
 scheduling thread does not wait for the bus, and the forward waits on the device for each
 layer's pages just before it copies them into vLLM's blocks. With a forward left to overlap
 (more tokens to compute than a full CUDA graph holds, and more than a page) the copy goes layer
-by layer (one launch and one event per layer); otherwise it goes as one copy of every layer (the
-copy engines' path, ``host.copy_path``), which crosses the bus faster. Those pages were verified
+by layer (one copy and one event per layer); otherwise it goes as one copy of every layer, which
+crosses the bus faster (both through the copy engines under ``host.copy_path`` auto). Those
+pages were verified
 when they entered the host tier; the copy cannot fail.
 
 Other requests never wait on a store read: when part of a hit is held only by the disk or
