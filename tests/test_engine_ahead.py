@@ -6,6 +6,8 @@ pages go back while a step ahead may still write them."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -39,7 +41,13 @@ def _requests() -> list[GenerationRequest]:
 
 
 def _serve(service, requests: list[GenerationRequest]) -> list[tuple[list[int], str]]:
+    """Every request submitted while the engine thread waits, so the steps (and how many of
+    them run ahead) do not depend on how the threads interleave."""
+    gate = threading.Event()
+    held = service.scheduler.call_soon(lambda: gate.wait(60))
     handles = [service.submit(r) for r in requests]
+    gate.set()
+    held.result(timeout=60)
     return [(tokens, finish.reason) for tokens, finish in (h.result(timeout=300)
                                                            for h in handles)]
 
