@@ -207,6 +207,45 @@ def test_with_nothing_else_running_a_disk_hit_is_read_at_once(scheduler):
     assert runtime.counts.get("lookups_deferred_landing", 0) == 0
 
 
+@pytest.mark.parametrize("prefill_tokens_per_s,claimed", [(1e6, 0), (1.0, 288)])
+def test_a_disk_part_measured_slower_than_vllms_prefill_is_left_to_vllm(
+        scheduler, prefill_tokens_per_s, claimed):
+    """Reading the disk's part (1 MB/s, measured) against vLLM computing it: a million tokens
+    a second, and the request is not made to wait for the disk (the tokens are computed,
+    counted); one token a second, and the hit is claimed whole."""
+    runtime = scheduler.connector.runtime
+    rates = runtime.cache.controller.rates
+    rates.observed["disk"] = 1                     # a read was seen: the rate is measured
+    rates.rates["disk"] = (1e6, 0.0)
+    rates.prefill_tokens_per_s = prefill_tokens_per_s
+    tokens = _prompt(300)
+    _disk_only(runtime, tokens)
+    _, out = _admit(scheduler, tokens)
+    assert out.scheduled_new_reqs[0].num_computed_tokens == claimed
+    assert runtime.counts["store_tokens_declined_slower"] == 288 - claimed
+    assert len(out.kv_connector_metadata.loads) == (1 if claimed else 0)
+
+
+def test_busy_steps_teach_the_connector_vllms_prefill_rate(tiny_model, tmp_path):
+    """A 600-token prompt in steps of at most 512: the first step is timed (the request runs
+    on in the next one), and its tokens over its time become the prefill rate."""
+    config = make_vllm_config(tiny_model, {"host_pool_bytes": "8MiB", "staging_pages": 64},
+                              block_size=BLOCK, max_batched=512)
+    sched = make_scheduler(config, make_kv_cache_config(BLOCK))
+    try:
+        rates = sched.connector.runtime.cache.controller.rates
+        assert rates.prefill_tokens_per_s is None
+        _, out = _admit(sched, _prompt(600, start=300))
+        assert out.total_num_scheduled_tokens == 512
+        time.sleep(0.05)                           # the step's forward, as the clock sees it
+        sched.update_from_output(out, runner_output(out))
+        out = sched.schedule()                     # the last 88 tokens: the same request
+        assert rates.prefill_tokens_per_s is not None
+        assert 512 / 30 < rates.prefill_tokens_per_s <= 512 / 0.05
+    finally:
+        sched.connector.runtime.close()
+
+
 def _windowed_scheduler(model: Path, tmp: Path, spec):
     config = make_vllm_config(model, {"host_pool_bytes": "8MiB", "staging_pages": 64,
                                       "disk_url": f"file://{tmp / 'disk'}"}, block_size=BLOCK,

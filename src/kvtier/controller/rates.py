@@ -118,6 +118,8 @@ class RateBook:
     prefill_fit: LineFit = field(default_factory=LineFit)
     prefill_curve: QuadraticFit = field(default_factory=QuadraticFit)
     split_errors: dict[int, float] = field(default_factory=dict)   # size bucket -> seconds late
+    #: Per tier, how many reads were observed (0: its rate is still the starting figure).
+    observed: dict[str, int] = field(default_factory=dict)
     pending_split: tuple[int, float] | None = None   # (hit tokens, predicted s) of the last split
 
     @classmethod
@@ -131,6 +133,7 @@ class RateBook:
         """A finished IO job or copy: ``nbytes`` read in ``seconds`` (bandwidth only)."""
         if nbytes <= 0 or seconds <= 0:
             return
+        self.observed[tier] = self.observed.get(tier, 0) + 1
         rate, fixed = self.rates[tier]
         self.rates[tier] = (rate + SMOOTHING * (nbytes / seconds - rate), fixed)
 
@@ -139,6 +142,7 @@ class RateBook:
         Learns the tier's fixed cost per load (and its bandwidth, once sizes differ)."""
         if nbytes <= 0 or seconds <= 0:
             return
+        self.observed[tier] = self.observed.get(tier, 0) + 1
         fit = self.load_fits.setdefault(tier, LineFit())
         fit.add(float(nbytes), seconds)
         rate, fixed = self.rates[tier]

@@ -21,8 +21,7 @@ layer's pages just before it copies them into vLLM's blocks. With a forward left
 (more tokens to compute than a full CUDA graph holds, and more than a page) the copy goes layer
 by layer (one copy and one event per layer); otherwise it goes as one copy of every layer, which
 crosses the bus faster (both through the copy engines under ``host.copy_path`` auto). Those
-pages were verified
-when they entered the host tier; the copy cannot fail.
+pages were verified when they entered the host tier; the copy cannot fail.
 
 Other requests never wait on a store read: when part of a hit is held only by the disk or
 Redis tier and the last step ran other requests, the first call starts kvtier's prefetch of
@@ -30,7 +29,8 @@ that part into the host tier (on kvtier's IO threads) and answers ``None``, whic
 takes as "ask again later": the request waits while the others keep stepping, and the claim is
 made (and the hit staged from the host tier) once the prefetch has landed or the prefetch
 policy's wait has run out (``controller.prefetch_policy``; what landed by then is claimed).
-Counted ``lookups_deferred_landing``. With nothing else running the read happens on the spot
+Counted ``lookups_deferred_landing``. A store's part measured slower to read than to compute
+is not waited for (``pricing``). With nothing else running the read happens on the spot
 (within the same policy's wait): no one else waits then, and a thread that polls would take
 CPU from the IO threads that read.
 
@@ -60,6 +60,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from kvtier.integrations.vllm.compat import hit_source
+from kvtier.integrations.vllm.pricing import StepClock, priced_hit
 from kvtier.integrations.vllm.rank_steps import RankedSteps
 from kvtier.integrations.vllm.runtime import ConnectorRuntime
 from kvtier.integrations.vllm.shared_pool import PoolRef
@@ -126,6 +127,8 @@ class SchedulerSide:
         self._generated: list[SaveSpec] = []
         #: Direct path: finished requests whose blocks vLLM keeps until their saves are over.
         self._held: list[str] = []
+        #: vLLM's prefill rate, from the steps this half sees (``pricing``).
+        self._clock = StepClock()
 
     # ---- admission -------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any,
@@ -166,7 +169,8 @@ class SchedulerSide:
         others_run = bool(self._stepping - {tracked.request.request_id})
         if hit is None:
             rt.counts["lookups"] += 1
-            hit = cache.match(prompt, salt)
+            hit, declined = priced_hit(cache, cache.match(prompt, salt), prompt, salt)
+            rt.counts["store_tokens_declined_slower"] += declined
             if min(hit.tokens, len(prompt) - 1) <= num_computed_tokens:
                 rt.counts["lookup_us"] += int((time.perf_counter() - started) * 1e6)
                 return None
@@ -250,11 +254,22 @@ class SchedulerSide:
     # ---- each step -------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> KvtierConnectorMetadata:
         started = time.perf_counter()
+        self._clock.step(started, int(scheduler_output.total_num_scheduled_tokens),
+                         scheduler_output.num_scheduled_tokens, self._observe_step)
         meta = self._build_meta(scheduler_output)
         counts = self.runtime.counts
         counts["meta_builds"] += 1
         counts["meta_build_us"] += int((time.perf_counter() - started) * 1e6)
         return meta
+
+    def _observe_step(self, tokens: int, seconds: float) -> None:
+        """A busy step's time, for ``pricing`` (skipped while the saver holds the lock)."""
+        lock, cache = self.runtime.lock, self.runtime.cache
+        if hasattr(cache, "observe_prefill") and lock.acquire(blocking=False):
+            try:
+                cache.observe_prefill(tokens, seconds)
+            finally:
+                lock.release()
 
     def _build_meta(self, scheduler_output: Any) -> KvtierConnectorMetadata:
         lock = self.runtime.lock

@@ -36,6 +36,8 @@ EXPORTED: dict[str, str] = {
     "matched_tokens": "Prompt tokens kvtier's index held for the prompts looked up.",
     "unverified_or_missing_tokens": "Matched tokens whose pages failed verification or were gone.",
     "lookups_deferred_landing": "Lookups deferred a step while a store's pages landed.",
+    "store_tokens_declined_slower": "Matched tokens only a store held, left to vLLM to compute: "
+                                    "reading them was measured slower than computing them.",
     "requests_refused_model_kv": "Requests kvtier stayed out of (KV it cannot restore exactly).",
     "requests_opted_out": "Requests that opted out of kvtier (kv_transfer_params).",
     "load_errors": "Loads whose staged pages were gone (vLLM recomputed their blocks).",
