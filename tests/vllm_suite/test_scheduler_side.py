@@ -217,7 +217,8 @@ def test_a_disk_part_measured_slower_than_vllms_prefill_is_left_to_vllm(
     rates = runtime.cache.controller.rates
     rates.observed["disk"] = 1                     # a read was seen: the rate is measured
     rates.rates["disk"] = (1e6, 0.0)
-    rates.prefill_tokens_per_s = prefill_tokens_per_s
+    clock = scheduler.connector.scheduler._clock   # as if busy steps had taught it the rate
+    clock._tokens, clock._seconds = prefill_tokens_per_s, 1.0
     tokens = _prompt(300)
     _disk_only(runtime, tokens)
     _, out = _admit(scheduler, tokens)
@@ -227,21 +228,22 @@ def test_a_disk_part_measured_slower_than_vllms_prefill_is_left_to_vllm(
 
 
 def test_busy_steps_teach_the_connector_vllms_prefill_rate(tiny_model, tmp_path):
-    """A 600-token prompt in steps of at most 512: the first step is timed (the request runs
-    on in the next one), and its tokens over its time become the prefill rate."""
+    """A 1,200-token prompt in steps of at most 512: the second step is timed (the first of a
+    run is not; the request runs on in the third), its tokens over its time the rate."""
     config = make_vllm_config(tiny_model, {"host_pool_bytes": "8MiB", "staging_pages": 64},
                               block_size=BLOCK, max_batched=512)
     sched = make_scheduler(config, make_kv_cache_config(BLOCK))
     try:
-        rates = sched.connector.runtime.cache.controller.rates
-        assert rates.prefill_tokens_per_s is None
-        _, out = _admit(sched, _prompt(600, start=300))
-        assert out.total_num_scheduled_tokens == 512
-        time.sleep(0.05)                           # the step's forward, as the clock sees it
-        sched.update_from_output(out, runner_output(out))
-        out = sched.schedule()                     # the last 88 tokens: the same request
-        assert rates.prefill_tokens_per_s is not None
-        assert 512 / 30 < rates.prefill_tokens_per_s <= 512 / 0.05
+        clock = sched.connector.scheduler._clock
+        _, out = _admit(sched, _prompt(1200, start=300))
+        for _ in range(2):
+            assert out.total_num_scheduled_tokens == 512
+            assert clock.tokens_per_s is None
+            time.sleep(0.05)                       # the step's forward, as the clock sees it
+            sched.update_from_output(out, runner_output(out))
+            out = sched.schedule()
+        assert 0 < out.total_num_scheduled_tokens < 512   # the same request, run on
+        assert 512 / 30 < clock.tokens_per_s <= 512 / 0.05
     finally:
         sched.connector.runtime.close()
 

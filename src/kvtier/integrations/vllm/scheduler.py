@@ -169,7 +169,8 @@ class SchedulerSide:
         others_run = bool(self._stepping - {tracked.request.request_id})
         if hit is None:
             rt.counts["lookups"] += 1
-            hit, declined = priced_hit(cache, cache.match(prompt, salt), prompt, salt)
+            hit, declined = priced_hit(cache, cache.match(prompt, salt), prompt, salt,
+                                       self._clock.tokens_per_s)
             rt.counts["store_tokens_declined_slower"] += declined
             if min(hit.tokens, len(prompt) - 1) <= num_computed_tokens:
                 rt.counts["lookup_us"] += int((time.perf_counter() - started) * 1e6)
@@ -255,21 +256,12 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: Any) -> KvtierConnectorMetadata:
         started = time.perf_counter()
         self._clock.step(started, int(scheduler_output.total_num_scheduled_tokens),
-                         scheduler_output.num_scheduled_tokens, self._observe_step)
+                         scheduler_output.num_scheduled_tokens)
         meta = self._build_meta(scheduler_output)
         counts = self.runtime.counts
         counts["meta_builds"] += 1
         counts["meta_build_us"] += int((time.perf_counter() - started) * 1e6)
         return meta
-
-    def _observe_step(self, tokens: int, seconds: float) -> None:
-        """A busy step's time, for ``pricing`` (skipped while the saver holds the lock)."""
-        lock, cache = self.runtime.lock, self.runtime.cache
-        if hasattr(cache, "observe_prefill") and lock.acquire(blocking=False):
-            try:
-                cache.observe_prefill(tokens, seconds)
-            finally:
-                lock.release()
 
     def _build_meta(self, scheduler_output: Any) -> KvtierConnectorMetadata:
         lock = self.runtime.lock
