@@ -3,7 +3,8 @@
 The interpreter (where CI runs the kernels) executes a kernel line by line, so code that only
 Triton's compiler front end refuses passes there: a ``TMA`` branch that returned early let the
 front end build the pointer loads on descriptors, and on an H100 every descriptor launch fell
-back to pointers. Here the front end builds the kernel's Triton IR for an sm_90 target on the
+back to pointers. With descriptors the queries come through one too (a box of 32 tokens x
+4 heads). Here the front end builds the kernel's Triton IR for an sm_90 target on the
 CPU (no GPU or CUDA toolkit needed), in a child process without ``TRITON_INTERPRET``.
 """
 
@@ -37,14 +38,16 @@ BUILD = textwrap.dedent("""
     for tma in (True, False):
         for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
             pages = f"tensordesc<{name}[64,128]>" if tma else f"*{name}"
-            signature = {"q_ptr": f"*{name}", "k_ptr": pages, "v_ptr": pages,
+            queries = f"tensordesc<{name}[32,4,128]>" if tma else f"*{name}"
+            signature = {"q_ptr": queries, "k_ptr": pages, "v_ptr": pages,
                          "out_ptr": f"*{name}", "table_ptr": "*i32", "blocks_ptr": "*i32",
                          "scale_log2": "fp32"}
             for arg in ("sq_t", "sq_h", "sk_tok", "sk_h", "max_pages", "n_rep", "page_size"):
                 signature[arg] = "i32"
             constants = dict(HEAD_DIM=128, BLOCK_M=pt.MAX_ROWS, BLOCK_N=pt.BLOCK_N,
                              CHUNK=pt.CHUNK_TOKENS, PER_CHUNK=pt.CHUNK_TOKENS // pt.BLOCK_N,
-                             PAGE_RUN=True, PRECISION=pt.precision_for(dtype), TMA=tma)
+                             PAGE_RUN=True, PRECISION=pt.precision_for(dtype), TMA=tma,
+                             Q_BOX=32 if tma else 0)
             signature.update({arg: "constexpr" for arg in constants})
             source = ASTSource(kernel, signature, {(kernel.arg_names.index(arg),): value
                                                    for arg, value in constants.items()})

@@ -8,7 +8,9 @@ queries and keys laid out contiguously (the peer's rate on this GPU). A config i
 ``BLOCK_N/CHUNK/warps/stages``: keys a block, keys a chunk summed from scratch, and the
 launch's warps and software-pipeline stages; ``/tma`` or ``/ptr`` after them reads pages of
 whole blocks through tensor descriptors or pointers (``paged_triton.use_tma``; without
-either, what the engine would do). Prints TFLOP/s
+either, what the engine would do); ``/tmakv`` reads keys and values through descriptors but
+queries through pointers (``paged_triton.query_box`` off: the form before queries had their
+own descriptor). Prints TFLOP/s
 of the causal work, each config's time over flash SDPA's and its largest difference from
 SDPA's output; writes
 ``attention_sweep.json`` (with the machine's facts) under ``--out``. A config other than the
@@ -34,10 +36,11 @@ DEFAULT_CONFIGS = ",".join([
 
 def parse_config(text: str) -> dict[str, Any]:
     fields = text.split("/")
-    loads = fields.pop() if len(fields) == 5 and fields[-1] in ("ptr", "tma") else ""
+    loads = fields.pop() if len(fields) == 5 and fields[-1] in ("ptr", "tma", "tmakv") else ""
     if len(fields) != 4 or not all(f.isdigit() for f in fields):
         raise ValueError(f"config {text!r}: want BLOCK_N/CHUNK/warps/stages, four integers, "
-                         "then optionally /ptr (pointer loads) or /tma (tensor descriptors)")
+                         "then optionally /ptr (pointer loads), /tma (tensor descriptors) or "
+                         "/tmakv (descriptors for keys and values only)")
     block_n, chunk, warps, stages = (int(f) for f in fields)
     return {"name": text, "block_n": block_n, "chunk": chunk, "num_warps": warps,
             "num_stages": stages, "loads": loads}
@@ -110,18 +113,22 @@ def main() -> None:
             launch = {"num_warps": c["num_warps"], "num_stages": c["num_stages"]} if cuda else None
 
             def run(c: dict[str, Any] = c, launch: dict[str, int] | None = launch) -> None:
-                chosen = paged_triton.GPU_DESCRIPTORS, paged_triton.use_tma
-                if c["loads"] == "tma":     # descriptors on GPUs for this config only
+                chosen = paged_triton.GPU_DESCRIPTORS, paged_triton.use_tma, \
+                    paged_triton.query_box
+                if c["loads"] in ("tma", "tmakv"):     # descriptors on GPUs for this config only
                     paged_triton.GPU_DESCRIPTORS = True
                 elif c["loads"] == "ptr":   # and off
                     paged_triton.use_tma = lambda *_: False
+                if c["loads"] == "tmakv":   # queries through pointers
+                    paged_triton.query_box = lambda *_: 0
                 try:
                     for t in tiles:
                         paged_triton.paged_attention(q, k, v, table, t, scale, per, out,
                                                      chunk=c["chunk"], block_n=c["block_n"],
                                                      launch=launch)
                 finally:
-                    paged_triton.GPU_DESCRIPTORS, paged_triton.use_tma = chosen
+                    (paged_triton.GPU_DESCRIPTORS, paged_triton.use_tma,
+                     paged_triton.query_box) = chosen
             try:
                 ms = timed(run)
             except Exception as exc:   # a config this GPU cannot hold (shared memory)

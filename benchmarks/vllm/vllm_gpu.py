@@ -22,8 +22,10 @@ Every case runs in a fresh process (``--case NAME``) on one GPU, with an 8B-shap
   ``--staging-pages``); the first process stores the
   prompts and exits (its exit hook drains the writes); with ``--disk-cache cold`` (the
   default) the parent then drops the store's files from the OS page cache (``disk_probe.evict``),
-  so the hit reads the disk (``warm``: whatever the page cache kept); a fresh process serves
-  them from disk (its first request of each prompt), then forgets its host and device tiers
+  so the hit reads the disk (``warm``: whatever the page cache kept); a fresh process first
+  computes two unseen prompts of the longest length (so the connector has timed vLLM's prefill,
+  as in a process that has served traffic: ``kvtier.integrations.vllm.pricing``), serves
+  the stored prompts from disk (its first request of each prompt), then forgets its host and device tiers
   (and, when cold, the page cache again between repeats: see ``vllm_gpu_case.py``) and serves
   them again ``--repeats`` times. After them the parent reads the store's files once with
   ``O_DIRECT`` (``disk_probe.py``) and prints the disk's own GB/s and what each length's KV

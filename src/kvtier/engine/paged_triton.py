@@ -91,10 +91,14 @@ def flash_prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, blocks_ptr,
                          sq_t, sq_h, sk_tok, sk_h, max_pages, n_rep, page_size, scale_log2,
                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          CHUNK: tl.constexpr, PER_CHUNK: tl.constexpr,
-                         PAGE_RUN: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
+                         PAGE_RUN: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
+                         Q_BOX: tl.constexpr = 0):
     """One tile (row of ``blocks``: sequence, first query, queries, first position) and one
     KV head: chunks of ``CHUNK`` keys (``PER_CHUNK`` blocks) from position 0, each summed from
-    scratch and folded in order; masks only in the chunks the diagonal crosses."""
+    scratch and folded in order; masks only in the chunks the diagonal crosses. ``Q_BOX``
+    (non-zero): ``q_ptr`` is a descriptor over ``[tokens, heads, HEAD_DIM]`` and a tile's
+    queries come as one box of ``Q_BOX`` tokens x ``BLOCK_M // Q_BOX`` heads (the rows past
+    the tile's own tokens are read and never stored)."""
     # the last tiles first: a causal prompt's later tiles read the most keys, and starting them
     # first keeps short ones for the end of the launch (no long tail on a few SMs)
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -108,8 +112,12 @@ def flash_prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, blocks_ptr,
     row_ok = token < q_count
     q_head = kv_head * n_rep + rows % n_rep
     dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + (q_first + token)[:, None] * sq_t + q_head[:, None] * sq_h
-                + dims[None, :], mask=row_ok[:, None], other=0.0)
+    if Q_BOX:
+        q = tl.reshape(q_ptr.load([q_first, kv_head * (BLOCK_M // Q_BOX), 0]),
+                       [BLOCK_M, HEAD_DIM])
+    else:
+        q = tl.load(q_ptr + (q_first + token)[:, None] * sq_t + q_head[:, None] * sq_h
+                    + dims[None, :], mask=row_ok[:, None], other=0.0)
     last_visible = pos_first + token
     n_keys = pos_first + q_count
     n_blocks = tl.cdiv(n_keys, BLOCK_N)
@@ -245,13 +253,15 @@ def paged_attention(query: torch.Tensor, key_pages: torch.Tensor, value_pages: t
     tma = use_tma(key_pages, value_pages, block_n)
     keys, values = (page_descriptor(key_pages, block_n), page_descriptor(value_pages, block_n)) \
         if tma else (key_pages, value_pages)
-    args = (query, keys, values, out, table, blocks,
+    q_box = query_box(query, n_rep) if tma else 0
+    queries = TensorDescriptor.from_tensor(query, [q_box, n_rep, dim]) if q_box else query
+    args = (queries, keys, values, out, table, blocks,
             query.stride(0), query.stride(1), key_pages.stride(1), key_pages.stride(2),
             table.shape[1], n_rep, key_pages.shape[1], scaling * 1.4426950408889634)
     constants = dict(HEAD_DIM=dim, BLOCK_M=MAX_ROWS, BLOCK_N=block_n,
                      CHUNK=chunk, PER_CHUNK=chunk // block_n,
                      PAGE_RUN=page_run(key_pages.shape[1], block_n),
-                     PRECISION=precision_for(query.dtype), TMA=tma)
+                     PRECISION=precision_for(query.dtype), TMA=tma, Q_BOX=q_box)
     grid = (blocks.shape[0], kv_heads)
     try:
         if launch is not None:
@@ -297,6 +307,21 @@ def use_tma(key_pages: torch.Tensor, value_pages: torch.Tensor, block_n: int = B
         return True
     return (GPU_DESCRIPTORS and key_pages.is_cuda and value_pages.is_cuda
             and torch.cuda.get_device_capability(key_pages.device)[0] >= 9)
+
+
+def query_box(query: torch.Tensor, n_rep: int) -> int:
+    """Tokens per tile when a tile's queries come through a tensor descriptor, else 0 (pointer
+    loads). With descriptors they stay in shared memory, where the tensor cores read them,
+    instead of 32 registers a thread: on sm_90 (Triton 3.6's ptxas) the kernel then holds both
+    fp32 accumulators (the chunk's and the running one) in 238 registers without spilling,
+    against 255 and ~400 bytes of spills a thread with pointer-loaded queries. A box has
+    power-of-two sides, so ``n_rep`` must be a power of two (a tile is then exactly
+    ``MAX_ROWS`` rows); TMA also needs 16-byte-aligned rows."""
+    size = query.element_size()
+    if n_rep & (n_rep - 1) or n_rep > MAX_ROWS or query.data_ptr() % 16 \
+            or any(stride * size % 16 for stride in query.stride()[:-1]):
+        return 0
+    return MAX_ROWS // n_rep
 
 
 def page_descriptor(pages: torch.Tensor, block_n: int = BLOCK_N) -> Any:

@@ -65,19 +65,50 @@ def one_torch_thread() -> None:
     torch runs a CPU op over an OpenMP team; a team member that finds its partners descheduled
     spins at the op's barrier. On a CPU backend vLLM's forward holds every core, so a save's
     copies run with their partners preempted: measured on 2 cores, the saver's gathers spent 10x
-    their single-threaded CPU time spinning (``benchmarks/vllm/vllm_write_path.py``). OpenMP keeps the
-    team size per thread, so ``set_num_threads(1)`` here leaves vLLM's threads alone, but torch
-    also records the count as the one threads started later take up: a short-lived thread puts
-    the process's count back.
+    their single-threaded CPU time spinning (``benchmarks/vllm/vllm_write_path.py``).
+
+    OpenMP keeps the team size per thread, so this sets the calling thread's alone, through the
+    OpenMP runtimes the process has loaded. Not ``torch.set_num_threads``: besides this
+    thread's team it rewrites process-wide state (the count threads started later take up,
+    MKL's and the pthreadpool's sizes) while vLLM's own threads run. torch's one-time set-up of
+    a thread (which would put its count back) runs first, through ``get_num_threads``.
     """
     import torch
 
-    count = torch.get_num_threads()     # this thread's count, taken from the process's
-    torch.set_num_threads(1)
-    restore = threading.Thread(target=torch.set_num_threads, args=(count,),
-                               name="kvtier-torch-threads")
-    restore.start()
-    restore.join()
+    torch.get_num_threads()
+    runtimes = _openmp_runtimes()
+    for runtime in runtimes:
+        runtime.omp_set_num_threads(1)
+    if not runtimes:
+        log.debug("kvtier: no OpenMP runtime loaded; the saver's torch ops keep torch's count")
+
+
+def _openmp_runtimes() -> list[Any]:
+    """The OpenMP runtimes loaded in this process (the one symbols resolve to first, then any
+    other a library brought, such as torch's own libgomp): each keeps its own per-thread
+    counts."""
+    import ctypes
+    import re
+
+    found: list[Any] = []
+    try:
+        first = ctypes.CDLL(None)
+        if hasattr(first, "omp_set_num_threads"):
+            found.append(first)
+    except OSError:
+        pass
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split()[-1] for line in maps
+                            if re.search(r"/lib(gomp|iomp5|omp)[^/]*\.so", line)})
+    except OSError:
+        paths = []
+    for path in paths:
+        try:
+            found.append(ctypes.CDLL(path))
+        except OSError:
+            continue
+    return [lib for lib in found if hasattr(lib, "omp_set_num_threads")]
 
 
 @dataclass(eq=False)
