@@ -317,9 +317,10 @@ class Case:
     def case_disk_hit(self, p: list[int], r: dict[str, Any], timed: bool) -> None:
         if not self.res.get("served_unseen"):
             # A serving process has computed prompts before hits arrive: the connector's clock
-            # learns vLLM's prefill rate from such steps (the warm-up alone runs one step).
+            # learns vLLM's prefill rate from such steps (a step is timed when its requests run
+            # on in the next: decode steps follow here; the warm-up alone runs one step).
             longest = max(self.args.lengths)
-            self.res["served_unseen"] = [self.gen(prompt(longest, seed=900 + i), 1)[0]
+            self.res["served_unseen"] = [self.gen(prompt(longest, seed=900 + i), 8)[0]
                                          for i in range(2)]
         declined = self.connector_counts(("store_tokens_declined_slower",))
         t, _, cached = self.gen(p, 1)                  # the first request: from disk

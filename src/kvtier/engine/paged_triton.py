@@ -62,12 +62,13 @@ except ImportError:   # an older Triton: pointer loads only
 log = logging.getLogger(__name__)
 #: Why the descriptor loads failed to build in this process (then pointer loads), or None.
 _DESCRIPTORS_FAILED: str | None = None
-#: Descriptor loads on GPUs (``use_tma``): off until measured there. The interpreter runs them
-#: (the CPU tests check their values); on a GPU they must first be shown to give the pointer
-#: loads' bits (``tests/test_suffix_step_gpu.py``, which turns them on; the split launch a
-#: hit's suffix takes reads through pointers) and to be faster
-#: (``benchmarks/engine/attention_sweep.py``'s ``/tma`` against ``/ptr`` configs).
-GPU_DESCRIPTORS = False
+#: Descriptor loads on GPUs (``use_tma``; keys, values and, with ``query_box``, queries). On
+#: since they were shown on an H100 to give the pointer loads' bits
+#: (``tests/test_suffix_step_gpu.py``'s descriptor cases; the split launch a hit's suffix takes
+#: reads through pointers, and the GPU parity tests pass with them on) and to be faster: 22.9
+#: against 25.0 ms a 32k layer (``benchmarks/results/attention_sweep_h100_qbox.txt``). The
+#: interpreter runs them on the CPU either way.
+GPU_DESCRIPTORS = True
 
 __all__ = ["BLOCK_N", "CHUNK_TOKENS", "CONFIGS", "MAX_ROWS", "NUM_WARPS", "TritonBatch",
            "paged_attention",
