@@ -31,7 +31,11 @@ TTFT is wall time from submit to the first token (vLLM: ``LLM.generate`` with
 prompts, 1 new)) / 128``: the same difference on both engines, so prefill and launch costs
 cancel. Throughput is generated tokens over the wall time of the whole batch. Ratios are
 kvtier / vLLM; the goal column gives the target ratio (TTFT and latency: lower is better;
-throughput: higher).
+throughput: higher). The throughput runs give kvtier's page pool the GPU KV cache vLLM
+sized for itself in the same run (``vllm_main``'s ``kv_tokens``, when it ran first; else
+``--kvtier-device-fraction`` of free memory): with less room an engine serves 64 long prompts
+in waves and the runs would compare pools, not engines. Both capacities and kvtier's
+preemptions are in the table.
 
 Run (vLLM from ``../shared/tools/vllm-gpu``'s kit, ``. /tmp/vg/env.sh`` first)::
 
@@ -115,6 +119,14 @@ def run_case(args: argparse.Namespace, case: str, timeout_s: float, logf: Any) -
     return done
 
 
+def _vllm_kv_tokens(out: Path) -> int:
+    """The GPU KV cache (tokens) vLLM sized for itself in this run's vllm_main case, or 0."""
+    try:
+        return int(json.loads((out / "cases" / "vllm_main.json").read_text()).get("kv_tokens") or 0)
+    except (OSError, ValueError):
+        return 0
+
+
 def parent_main(args: argparse.Namespace) -> None:
     from kvtier.machine import write_report
 
@@ -130,6 +142,10 @@ def parent_main(args: argparse.Namespace) -> None:
                 result: dict[str, Any] = {"case": case, "ok": False, "error": "no time left"}
             else:
                 log(f"case {case} ({left:.0f} s left)")
+                matched = case == "kvtier" and args.kvtier_kv_tokens < 0 \
+                    and _vllm_kv_tokens(out)
+                if matched:      # the same KV capacity as vLLM's: the throughput runs compare
+                    args.child_argv += ["--kvtier-kv-tokens", str(matched)]   # engines, not pools
                 result = run_case(args, case, min(left, args.case_timeout_s), logf)
                 logf.flush()
             if not result.get("ok"):
@@ -180,7 +196,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--vllm-gpu-mem", type=float, default=0.85,
                    help="vLLM gpu_memory_utilization (weights + activations + KV)")
     p.add_argument("--kvtier-device-fraction", type=float, default=0.75,
-                   help="kvtier's page pool share of the free device memory (throughput runs)")
+                   help="kvtier's page pool share of the free device memory (throughput runs), "
+                        "when its KV capacity is not vLLM's (--kvtier-kv-tokens)")
+    p.add_argument("--kvtier-kv-tokens", type=int, default=-1,
+                   help="KV tokens of kvtier's page pool in the throughput runs: -1 (default) "
+                        "the GPU KV cache vLLM sized for itself in this run's vllm_main case "
+                        "(else --kvtier-device-fraction), 0 the fraction, N that many")
     p.add_argument("--kvtier-ttft-fraction", type=float, default=0.3,
                    help="each of the two TTFT services' page pool share (kvtier bench ttft's)")
     p.add_argument("--kvtier-set", default="",

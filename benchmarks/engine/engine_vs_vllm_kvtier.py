@@ -74,11 +74,15 @@ def kvtier_case(args: argparse.Namespace, deterministic: bool = False) -> dict[s
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
+    extra = {"host.pinned_budget_bytes": pinned,
+             "engine.deterministic": str(deterministic).lower(), **args.kvtier_set}
+    if args.kvtier_kv_tokens > 0:     # vLLM's KV capacity, in kvtier's pages
+        extra["cache.device_pages"] = str(-(-args.kvtier_kv_tokens // config.cache.page_size))
     service = _service(lm, args.device, args.dtype, max(args.levels), host_pool,
-                       device_fraction=args.kvtier_device_fraction,
-                       extra={"host.pinned_budget_bytes": pinned,
-                              "engine.deterministic": str(deterministic).lower(),
-                              **args.kvtier_set})
+                       device_fraction=args.kvtier_device_fraction, extra=extra)
+    pages = service.engine.pages
+    pool = getattr(getattr(pages, "tiered", pages), "device_pool", None)
+    res["kv_tokens"] = pool.num_pages * config.cache.page_size if pool is not None else None
     try:
         _generate_all(service, [prompt(64, seed=990 + i) for i in range(2)], 8)   # warm-up
         graphs = service.engine.decode_graphs

@@ -68,6 +68,11 @@ def table(args: argparse.Namespace, cases: dict[str, dict[str, Any]]) -> tuple[s
             if ms is not None:
                 add(f"decode ITL, batch {batch}, kvtier {what}", "reference", "ms", ms,
                     main.get("itl", {}).get(str(batch), {}).get("itl_ms"))
+    add("KV capacity of the throughput runs", "reference", "tokens", kv.get("kv_tokens"),
+        main.get("kv_tokens"))
+    preempted = kv.get("engine_stats", {}).get("preempted")
+    if preempted is not None:
+        add("kvtier sequences preempted (whole run)", "reference", "count", preempted, None)
     verdict = {True: "met", False: "MISSED", None: "-"}
     engines = [c for c in ("kvtier", "vllm_main", "vllm_native") if c in cases]
     headers = ["metric", "unit", "kvtier", "vLLM", "kvtier/vLLM", "goal", "verdict"]

@@ -59,6 +59,9 @@ def vllm_case(args: argparse.Namespace, name: str) -> dict[str, Any]:
     case.build()
     res: dict[str, Any] = {"versions": case.res.get("versions"), "init_s": case.res.get("init_s"),
                            "ttft": {}}
+    cache_config = case.llm.llm_engine.vllm_config.cache_config
+    if cache_config.num_gpu_blocks:      # the KV capacity vLLM sized for itself
+        res["kv_tokens"] = int(cache_config.num_gpu_blocks) * int(cache_config.block_size)
     case.gen(prompt(args.lengths[0], seed=7), 1)                     # warm-up
 
     def ttft_at(length: int) -> dict[str, Any]:
