@@ -1,4 +1,5 @@
-"""Fixtures for the vLLM plug-in suite: a tiny random Llama on disk and a Redis server.
+"""Fixtures for the vLLM plug-in suite: a tiny random Llama on disk, vLLM's scheduler with
+kvtier on a disk tier.
 
 This suite runs inside ``.venv-vllm`` (built by ``scripts/setup_vllm_env.sh``), where vLLM
 0.32.0's CPU build imports; ``tests/test_vllm_integration.py`` runs it there from the main
@@ -31,3 +32,13 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from vllm_helpers import build_model
 
     return build_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture
+def scheduler(tiny_model: Path, tmp_path: Path):
+    """vLLM's real Scheduler with kvtier's connector on a disk tier (``scheduler_harness``)."""
+    from scheduler_harness import disk_scheduler
+
+    sched = disk_scheduler(tiny_model, tmp_path / "disk")
+    yield sched
+    sched.connector.runtime.close()

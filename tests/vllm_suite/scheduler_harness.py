@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 LAYERS = tuple(f"model.layers.{i}.self_attn.attn" for i in range(4))
+BLOCK = 32                      # vLLM's block (its CPU backend wants a multiple of 32)
 KV_HEADS, HEAD_DIM = 2, 32
 _ids = itertools.count()
 
@@ -109,3 +110,23 @@ def fill_kvtier(runtime: Any, tokens: list[int], salt: str | None = None, seed: 
             pool[:, :, page_id] = torch.randn(pool[:, :, page_id].shape, generator=generator)
         cache.commit(tokens[: full * page], ids, salt)
         cache.drain(5.0)
+
+
+def disk_scheduler(model: Path, disk: Path) -> Any:
+    """The scheduler tests' set-up: a disk tier, an 8 MiB host pool, 64 staging pages,
+    ``BLOCK``-token blocks and steps of at most 64 tokens."""
+    config = make_vllm_config(model, {"disk_url": f"file://{disk}", "host_pool_bytes": "8MiB",
+                                      "staging_pages": 64}, block_size=BLOCK, max_batched=64)
+    return make_scheduler(config, make_kv_cache_config(BLOCK))
+
+
+def ramp(n: int, start: int = 10) -> list[int]:
+    """``n`` token ids counting up from ``start`` (wrapping within the tiny vocabulary)."""
+    return [start + i % 900 for i in range(n)]
+
+
+def admit(scheduler: Any, tokens: list[int], salt: str | None = None) -> tuple[Any, Any]:
+    """Add a request for ``tokens`` and schedule one step: (request, scheduler output)."""
+    request = make_request(tokens, BLOCK, salt)
+    scheduler.add_request(request)
+    return request, scheduler.schedule()

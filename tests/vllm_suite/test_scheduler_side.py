@@ -7,51 +7,31 @@ what happens when a staged load is lost before the worker copies it.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from scheduler_harness import (
+    BLOCK,
+    admit,
     fill_kvtier,
     make_kv_cache_config,
     make_request,
     make_scheduler,
     make_vllm_config,
+    ramp,
     runner_output,
 )
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm.scheduler import TIER_SOURCES
 
-BLOCK = 32
 pytestmark = pytest.mark.timeout(600)
 
 
-@pytest.fixture
-def scheduler(tiny_model: Path, tmp_path: Path):
-    config = make_vllm_config(tiny_model, {"disk_url": f"file://{tmp_path / 'disk'}",
-                                           "host_pool_bytes": "8MiB", "staging_pages": 64},
-                              block_size=BLOCK, max_batched=64)
-    sched = make_scheduler(config, make_kv_cache_config(BLOCK))
-    yield sched
-    sched.connector.runtime.close()
-
-
-def _prompt(n: int, start: int = 10) -> list[int]:
-    return [start + i % 900 for i in range(n)]
-
-
-def _admit(scheduler, tokens: list[int], salt: str | None = None):
-    request = make_request(tokens, BLOCK, salt)
-    scheduler.add_request(request)
-    return request, scheduler.schedule()
-
-
 def test_stored_pages_are_claimed_and_planned_as_one_load(scheduler):
-    tokens = _prompt(100)
+    tokens = ramp(100)
     fill_kvtier(scheduler.connector.runtime, tokens)
-    request, out = _admit(scheduler, tokens)
+    request, out = admit(scheduler, tokens)
     assert out.scheduled_new_reqs[0].num_computed_tokens == 96     # three full 32-token pages
     assert out.num_scheduled_tokens[request.request_id] == 4
     (load,) = out.kv_connector_metadata.loads
@@ -64,26 +44,26 @@ def test_stored_pages_are_claimed_and_planned_as_one_load(scheduler):
 
 
 def test_a_fully_stored_prompt_leaves_its_last_token_to_compute(scheduler):
-    tokens = _prompt(96)
+    tokens = ramp(96)
     fill_kvtier(scheduler.connector.runtime, tokens)
-    request, out = _admit(scheduler, tokens)
+    request, out = admit(scheduler, tokens)
     assert out.scheduled_new_reqs[0].num_computed_tokens == 95
     assert out.num_scheduled_tokens[request.request_id] == 1
 
 
 def test_a_different_cache_salt_is_not_claimed(scheduler):
-    tokens = _prompt(100)
+    tokens = ramp(100)
     fill_kvtier(scheduler.connector.runtime, tokens, salt="tenant-a")
-    _, out = _admit(scheduler, tokens, salt="tenant-b")
+    _, out = admit(scheduler, tokens, salt="tenant-b")
     assert out.scheduled_new_reqs[0].num_computed_tokens == 0
     assert out.kv_connector_metadata.loads == []
-    _, same_tenant = _admit(scheduler, tokens, salt="tenant-a")
+    _, same_tenant = admit(scheduler, tokens, salt="tenant-a")
     assert same_tenant.scheduled_new_reqs[0].num_computed_tokens == 96
 
 
 def test_the_prompt_is_saved_once_when_its_chunked_prefill_completes(scheduler):
-    tokens = _prompt(150, start=300)
-    request, out = _admit(scheduler, tokens)
+    tokens = ramp(150, start=300)
+    request, out = admit(scheduler, tokens)
     saves = [out.kv_connector_metadata.saves]
     blocks = list(out.scheduled_new_reqs[0].block_ids[0])
     for _ in range(2):                                   # 64 + 64 + 22 prompt tokens
@@ -100,20 +80,20 @@ def test_the_prompt_is_saved_once_when_its_chunked_prefill_completes(scheduler):
 
 
 def test_a_prompt_kvtier_already_holds_is_not_saved_again(scheduler):
-    tokens = _prompt(100, start=500)
+    tokens = ramp(100, start=500)
     fill_kvtier(scheduler.connector.runtime, tokens)
-    _, out = _admit(scheduler, tokens)
+    _, out = admit(scheduler, tokens)
     assert out.kv_connector_metadata.saves == []
 
 
 def test_a_request_opted_out_of_kvtier_is_neither_served_nor_stored(scheduler):
-    tokens = _prompt(100, start=600)
+    tokens = ramp(100, start=600)
     fill_kvtier(scheduler.connector.runtime, tokens)
     request = make_request(tokens, BLOCK, kv_transfer_params={"kvtier_cache": False})
     scheduler.add_request(request)
     out = scheduler.schedule()
     assert out.scheduled_new_reqs[0].num_computed_tokens == 0
-    other = make_request(_prompt(100, start=650), BLOCK, kv_transfer_params={"kvtier_cache": False})
+    other = make_request(ramp(100, start=650), BLOCK, kv_transfer_params={"kvtier_cache": False})
     scheduler.add_request(other)
     for _ in range(3):
         scheduler.update_from_output(out, runner_output(out))
@@ -124,7 +104,7 @@ def test_a_request_opted_out_of_kvtier_is_neither_served_nor_stored(scheduler):
 
 
 def test_a_malformed_kvtier_cache_param_is_counted_and_ignored(scheduler):
-    tokens = _prompt(100, start=800)
+    tokens = ramp(100, start=800)
     fill_kvtier(scheduler.connector.runtime, tokens)
     request = make_request(tokens, BLOCK, kv_transfer_params={"kvtier_cache": "no"})
     scheduler.add_request(request)
@@ -142,9 +122,9 @@ def test_a_lost_staged_load_is_reported_and_vllm_recomputes_it(tiny_model, tmp_p
     sched = make_scheduler(config, make_kv_cache_config(BLOCK))
     runtime = sched.connector.runtime
     try:
-        tokens = _prompt(100, start=700)
+        tokens = ramp(100, start=700)
         fill_kvtier(runtime, tokens)
-        request, out = _admit(sched, tokens)
+        request, out = admit(sched, tokens)
         runtime.release_staged(request.request_id)           # the staged pages are gone
         worker = WorkerSide(runtime)
         kv = {name: torch.zeros(256, 2, BLOCK, 64) for name in runtime.shape.layer_names}
@@ -157,95 +137,6 @@ def test_a_lost_staged_load_is_reported_and_vllm_recomputes_it(tiny_model, tmp_p
         assert request.num_computed_tokens == 0        # vLLM recomputes from the first block
     finally:
         runtime.close()
-
-
-def _disk_only(runtime, tokens: list[int]) -> None:
-    fill_kvtier(runtime, tokens)                   # committed, then written to the disk tier
-    with runtime.lock:
-        runtime.cache.clear_tier("device")
-        runtime.cache.clear_tier("host")
-
-
-def test_a_hit_only_the_disk_holds_lands_while_other_requests_are_scheduled(scheduler):
-    """While another request runs, the scheduling thread does not read the disk: the first
-    answer is "ask again" (the prefetch to the host tier runs on kvtier's IO threads) and the
-    request waits while the other one steps; once the pages landed, the whole hit is claimed."""
-    runtime = scheduler.connector.runtime
-    tokens = _prompt(300)
-    _disk_only(runtime, tokens)
-    other, out = _admit(scheduler, _prompt(40, start=500))   # no hit: it runs
-    scheduler.update_from_output(out, runner_output(out))
-    held = make_request(tokens, BLOCK)
-    scheduler.add_request(held)
-    out = scheduler.schedule()
-    assert out.scheduled_new_reqs == []            # asked again later; no disk read here
-    assert other.request_id in out.num_scheduled_tokens
-    assert runtime.counts["lookups_deferred_landing"] == 1
-    for _ in range(200):                           # a step every 10 ms until the hit is staged
-        scheduler.update_from_output(out, runner_output(out))
-        if any(r.req_id == held.request_id for r in out.scheduled_new_reqs):
-            break
-        time.sleep(0.01)
-        out = scheduler.schedule()
-    (new,) = [r for r in out.scheduled_new_reqs if r.req_id == held.request_id]
-    assert new.num_computed_tokens == 288          # nine full 32-token pages, from the disk
-    (load,) = [spec for spec in out.kv_connector_metadata.loads
-               if spec.req_id == held.request_id]
-    assert (load.start, load.end) == (0, 288)
-    assert scheduler.connector.get_external_cache_hit_sources(held, 288) == {
-        TIER_SOURCES["disk"]: 288}
-    assert runtime.counts["lookups"] == 2          # one walk of the index per request
-    assert runtime.counts["lookups_deferred_landing"] == 1
-
-
-def test_with_nothing_else_running_a_disk_hit_is_read_at_once(scheduler):
-    runtime = scheduler.connector.runtime
-    tokens = _prompt(300)
-    _disk_only(runtime, tokens)
-    _, out = _admit(scheduler, tokens)
-    assert out.scheduled_new_reqs[0].num_computed_tokens == 288
-    assert runtime.counts.get("lookups_deferred_landing", 0) == 0
-
-
-@pytest.mark.parametrize("prefill_tokens_per_s,claimed", [(1e6, 0), (1.0, 288)])
-def test_a_disk_part_measured_slower_than_vllms_prefill_is_left_to_vllm(
-        scheduler, prefill_tokens_per_s, claimed):
-    """Reading the disk's part (1 MB/s, measured) against vLLM computing it: a million tokens
-    a second, and the request is not made to wait for the disk (the tokens are computed,
-    counted); one token a second, and the hit is claimed whole."""
-    runtime = scheduler.connector.runtime
-    rates = runtime.cache.controller.rates
-    rates.observed["disk"] = 1                     # a read was seen: the rate is measured
-    rates.rates["disk"] = (1e6, 0.0)
-    clock = scheduler.connector.scheduler._clock   # as if busy steps had taught it the rate
-    clock._tokens, clock._seconds = prefill_tokens_per_s, 1.0
-    tokens = _prompt(300)
-    _disk_only(runtime, tokens)
-    _, out = _admit(scheduler, tokens)
-    assert out.scheduled_new_reqs[0].num_computed_tokens == claimed
-    assert runtime.counts["store_tokens_declined_slower"] == 288 - claimed
-    assert len(out.kv_connector_metadata.loads) == (1 if claimed else 0)
-
-
-def test_busy_steps_teach_the_connector_vllms_prefill_rate(tiny_model, tmp_path):
-    """A 1,200-token prompt in steps of at most 512: the second step is timed (the first of a
-    run is not; the request runs on in the third), its tokens over its time the rate."""
-    config = make_vllm_config(tiny_model, {"host_pool_bytes": "8MiB", "staging_pages": 64},
-                              block_size=BLOCK, max_batched=512)
-    sched = make_scheduler(config, make_kv_cache_config(BLOCK))
-    try:
-        clock = sched.connector.scheduler._clock
-        _, out = _admit(sched, _prompt(1200, start=300))
-        for _ in range(2):
-            assert out.total_num_scheduled_tokens == 512
-            assert clock.tokens_per_s is None
-            time.sleep(0.05)                       # the step's forward, as the clock sees it
-            sched.update_from_output(out, runner_output(out))
-            out = sched.schedule()
-        assert 0 < out.total_num_scheduled_tokens < 512   # the same request, run on
-        assert 512 / 30 < clock.tokens_per_s <= 512 / 0.05
-    finally:
-        sched.connector.runtime.close()
 
 
 def _windowed_scheduler(model: Path, tmp: Path, spec):
@@ -265,9 +156,9 @@ def test_a_group_keeping_only_the_windows_blocks_is_neither_served_nor_stored(ti
     runtime = sched.connector.runtime
     try:
         assert "SlidingWindowSpec(window=64)" in runtime.shape.refused
-        tokens = _prompt(100)
+        tokens = ramp(100)
         fill_kvtier(runtime, tokens)                   # held by kvtier, yet never claimed
-        request, out = _admit(sched, tokens)
+        request, out = admit(sched, tokens)
         assert out.scheduled_new_reqs[0].num_computed_tokens == 0
         assert out.kv_connector_metadata.loads == []
         assert out.kv_connector_metadata.saves == []   # the whole prompt ran this step
@@ -290,9 +181,9 @@ def test_sliding_window_layers_in_full_attention_blocks_are_served(tiny_model, t
     runtime = sched.connector.runtime
     try:
         assert runtime.shape.refused == ""
-        tokens = _prompt(100)
+        tokens = ramp(100)
         fill_kvtier(runtime, tokens)
-        _, out = _admit(sched, tokens)
+        _, out = admit(sched, tokens)
         assert out.scheduled_new_reqs[0].num_computed_tokens == 96
         assert runtime.counts["requests_refused_model_kv"] == 0
     finally:
@@ -314,7 +205,7 @@ def test_rows_saved_from_vllm_blocks_load_back_into_other_blocks_exactly(schedul
     worker = WorkerSide(runtime)
     source = {n: torch.randn(64, 2, BLOCK, 64) for n in runtime.shape.layer_names}
     worker.register_kv_caches(source, "CPU_ATTN")
-    tokens = _prompt(96, start=40)
+    tokens = ramp(96, start=40)
     saving = KvtierConnectorMetadata(saves=[SaveSpec("w", tuple(tokens), None, (5, 9, 2))])
     for name, kv in source.items():
         worker.save_kv_layer(saving, name, kv)
@@ -365,9 +256,9 @@ def test_counters_reach_vllms_connector_stats_log_and_prometheus(scheduler):
 
     connector = scheduler.connector
     connector.get_kv_connector_stats()                  # what start-up counted, if anything
-    tokens = _prompt(100)
+    tokens = ramp(100)
     fill_kvtier(connector.runtime, tokens)
-    _admit(scheduler, tokens)
+    admit(scheduler, tokens)
     stats = connector.get_kv_connector_stats()
     by_tier = {k: v for k, v in stats.data.items() if k.startswith("hit_tokens_")}
     assert sum(by_tier.values()) == 96 and stats.data["claimed_tokens"] == 96
@@ -404,7 +295,7 @@ def test_a_damaged_disk_store_and_an_unreachable_redis_do_not_stop_vllm(tiny_mod
         health = sched.connector.runtime.cache.store_health()
         assert health["remote"]["state"] == "off"
         assert any(p.name.startswith("disk.corrupt-") for p in tmp_path.iterdir())
-        request, out = _admit(sched, _prompt(100))
+        request, out = admit(sched, ramp(100))
         assert out.scheduled_new_reqs[0].num_computed_tokens == 0
         assert out.num_scheduled_tokens[request.request_id] == 64     # max_batched: computed
     finally:
