@@ -32,7 +32,7 @@ prompts, 1 new)) / 128``: the same difference on both engines, so prefill and la
 cancel. Throughput is generated tokens over the wall time of the whole batch. Ratios are
 kvtier / vLLM; the goal column gives the target ratio (TTFT and latency: lower is better;
 throughput: higher). The throughput runs give kvtier's page pool the GPU KV cache vLLM
-sized for itself in the same run (``vllm_main``'s ``kv_tokens``, when it ran first; else
+sized for itself in the same run (``vllm_main``'s ``kv_tokens``: that case runs first; else
 ``--kvtier-device-fraction`` of free memory): with less room an engine serves 64 long prompts
 in waves and the runs would compare pools, not engines. Both capacities and kvtier's
 preemptions are in the table.
@@ -135,17 +135,22 @@ def parent_main(args: argparse.Namespace) -> None:
     if any(c.startswith("vllm") for c in args.cases):
         vllm_gpu.build_model_dir(args.preset, Path(args.model_dir))
     deadline = time.monotonic() + args.budget_s
+    cases_in_order = list(args.cases)
+    if args.kvtier_kv_tokens < 0 and "vllm_main" in cases_in_order:   # its KV size first
+        cases_in_order.sort(key=lambda c: c != "vllm_main")
+    matched = False
     with open(out / "cases.log", "a") as logf:
-        for case in args.cases:
+        for case in cases_in_order:
             left = deadline - time.monotonic()
             if left < 30:
                 result: dict[str, Any] = {"case": case, "ok": False, "error": "no time left"}
             else:
                 log(f"case {case} ({left:.0f} s left)")
-                matched = case == "kvtier" and args.kvtier_kv_tokens < 0 \
-                    and _vllm_kv_tokens(out)
-                if matched:      # the same KV capacity as vLLM's: the throughput runs compare
-                    args.child_argv += ["--kvtier-kv-tokens", str(matched)]   # engines, not pools
+                vllm_kv = _vllm_kv_tokens(out) if case.startswith("kvtier") and not matched \
+                    and args.kvtier_kv_tokens < 0 and "vllm_main" in args.cases else 0
+                if vllm_kv:      # the same KV capacity as vLLM's: the throughput runs compare
+                    args.child_argv += ["--kvtier-kv-tokens", str(vllm_kv)]   # engines, not pools
+                    matched = True
                 result = run_case(args, case, min(left, args.case_timeout_s), logf)
                 logf.flush()
             if not result.get("ok"):
@@ -201,7 +206,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--kvtier-kv-tokens", type=int, default=-1,
                    help="KV tokens of kvtier's page pool in the throughput runs: -1 (default) "
                         "the GPU KV cache vLLM sized for itself in this run's vllm_main case "
-                        "(else --kvtier-device-fraction), 0 the fraction, N that many")
+                        "(run first then; else --kvtier-device-fraction), 0 the fraction, "
+                        "N that many")
     p.add_argument("--kvtier-ttft-fraction", type=float, default=0.3,
                    help="each of the two TTFT services' page pool share (kvtier bench ttft's)")
     p.add_argument("--kvtier-set", default="",
