@@ -10,18 +10,23 @@ otherwise sets it for the CPU)."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
 
 from kvtier.integrations.vllm.layout import block_layout
+from kvtier.integrations.vllm.specs import LoadSpec, SaveSpec
+from kvtier.integrations.vllm.worker import WorkerSide
 from vllm_copy_support import (
     BACKENDS,
+    Step,
     as_words,
     direct_round_trip,
     make_runtime,
     round_trip,
     slots,
+    vllm_caches,
 )
 
 pytestmark = pytest.mark.gpu
@@ -147,3 +152,47 @@ def test_a_full_cuda_graph_step_copies_loads_before_and_saves_after_the_forward(
     # vLLM calls no per-layer hook inside a full CUDA graph: the saves must still be copied
     # (after the forward) and the loads land whole before it.
     _run(kind, kind, torch.bfloat16, 16, tail=1, hooks=False)
+
+
+def test_a_direct_load_does_not_queue_behind_the_saves_before_it():
+    # A request waits for its load; saves before it (on a capped grid) may take far longer.
+    # With the save stream held busy for about a second, the load must still land at once.
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("set TRITON_INTERPRET=0 to run the kernels compiled on the GPU")
+    old, new, block = OLD[16], NEW[16], 16
+    count = len(old) * block
+    device = f"cuda:{torch.cuda.current_device()}"
+    runtime = make_runtime(LAYERS, HEADS, DIM, torch.bfloat16, block, device,
+                           staging_pages=2 * len(old), direct=True)
+    try:
+        tokens = [(11 * i + 7) % 30000 + 5 for i in range(count)]
+        worker = WorkerSide(runtime, copy_in_step=True)
+        caches = vllm_caches(runtime, "nhd", NUM_BLOCKS[16], device, seed=5)
+        worker.register_kv_caches(caches, BACKENDS["nhd"])
+        worker.wait_for_save(Step(saves=[SaveSpec("w", tuple(tokens), None, old)]))
+        torch.cuda.synchronize()
+        assert runtime.drain(60.0)
+        with runtime.lock:
+            runtime.staged["r"] = runtime.cache.hold_host(runtime.cache.match(tokens))
+        assert worker.direct is not None and worker.direct.save_stream is not None
+        with torch.cuda.stream(worker.direct.save_stream):
+            torch.cuda._sleep(2_000_000_000)          # ~1 s of saves still running
+        busy = torch.cuda.Event()
+        busy.record(worker.direct.save_stream)
+        worker.start_load_kv(Step(loads=[LoadSpec("r", 0, count, new)]))
+        received: set[str] = set()
+        for _ in range(400):
+            received |= worker.take_received() or set()
+            if "r" in received:
+                break
+            time.sleep(0.001)
+        assert received == {"r"}, "the load waited for the save stream"
+        assert not busy.query()
+        torch.cuda.synchronize()
+        was, now = slots(old, block, count).to(device), slots(new, block, count).to(device)
+        for name, kv in caches.items():
+            layout = block_layout("FLASH_ATTN", kv, HEADS, DIM)
+            for got, want in zip(layout.read(kv, now), layout.read(kv, was), strict=True):
+                assert torch.equal(as_words(got), as_words(want)), name
+    finally:
+        runtime.close(10.0)

@@ -33,9 +33,13 @@ cancel. Throughput is generated tokens over the wall time of the whole batch. Ra
 kvtier / vLLM; the goal column gives the target ratio (TTFT and latency: lower is better;
 throughput: higher). The throughput runs give kvtier's page pool the GPU KV cache vLLM
 sized for itself in the same run (``vllm_main``'s ``kv_tokens``: that case runs first; else
-``--kvtier-device-fraction`` of free memory): with less room an engine serves 64 long prompts
-in waves and the runs would compare pools, not engines. Both capacities and kvtier's
-preemptions are in the table.
+``--kvtier-device-fraction`` of free memory), at most that fraction of the memory free then
+(vLLM's 412k tokens on an H100 left kvtier's engine too little for its workspaces: every
+request failed for want of memory), and its prefill chunk vLLM's tokens per step
+(``max_num_batched_tokens``: 16384 for ``LLM`` on an 80 GB GPU, twice kvtier's default): with
+less room an engine serves 64 long prompts in waves, with smaller steps it runs more of them,
+and the runs would compare settings, not engines. Both capacities, both step sizes and
+kvtier's preemptions are in the table.
 
 Run (vLLM from ``../shared/tools/vllm-gpu``'s kit, ``. /tmp/vg/env.sh`` first)::
 
@@ -119,12 +123,14 @@ def run_case(args: argparse.Namespace, case: str, timeout_s: float, logf: Any) -
     return done
 
 
-def _vllm_kv_tokens(out: Path) -> int:
-    """The GPU KV cache (tokens) vLLM sized for itself in this run's vllm_main case, or 0."""
+def _vllm_sizes(out: Path) -> tuple[int, int]:
+    """The GPU KV cache (tokens) vLLM sized for itself in this run's vllm_main case and its
+    tokens per step, or zeros."""
     try:
-        return int(json.loads((out / "cases" / "vllm_main.json").read_text()).get("kv_tokens") or 0)
+        main = json.loads((out / "cases" / "vllm_main.json").read_text())
     except (OSError, ValueError):
-        return 0
+        return 0, 0
+    return int(main.get("kv_tokens") or 0), int(main.get("step_tokens") or 0)
 
 
 def parent_main(args: argparse.Namespace) -> None:
@@ -136,7 +142,8 @@ def parent_main(args: argparse.Namespace) -> None:
         vllm_gpu.build_model_dir(args.preset, Path(args.model_dir))
     deadline = time.monotonic() + args.budget_s
     cases_in_order = list(args.cases)
-    if args.kvtier_kv_tokens < 0 and "vllm_main" in cases_in_order:   # its KV size first
+    if (args.kvtier_kv_tokens < 0 or args.kvtier_step_tokens < 0) \
+            and "vllm_main" in cases_in_order:                          # its sizes first
         cases_in_order.sort(key=lambda c: c != "vllm_main")
     matched = False
     with open(out / "cases.log", "a") as logf:
@@ -146,11 +153,13 @@ def parent_main(args: argparse.Namespace) -> None:
                 result: dict[str, Any] = {"case": case, "ok": False, "error": "no time left"}
             else:
                 log(f"case {case} ({left:.0f} s left)")
-                vllm_kv = _vllm_kv_tokens(out) if case.startswith("kvtier") and not matched \
-                    and args.kvtier_kv_tokens < 0 and "vllm_main" in args.cases else 0
-                if vllm_kv:      # the same KV capacity as vLLM's: the throughput runs compare
+                vllm_kv, vllm_step = _vllm_sizes(out) if case.startswith("kvtier") \
+                    and not matched and "vllm_main" in args.cases else (0, 0)
+                if vllm_kv and args.kvtier_kv_tokens < 0:   # the same KV capacity as vLLM's:
                     args.child_argv += ["--kvtier-kv-tokens", str(vllm_kv)]   # engines, not pools
-                    matched = True
+                if vllm_step and args.kvtier_step_tokens < 0:   # and the same step budget
+                    args.child_argv += ["--kvtier-step-tokens", str(vllm_step)]
+                matched = matched or bool(vllm_kv or vllm_step)
                 result = run_case(args, case, min(left, args.case_timeout_s), logf)
                 logf.flush()
             if not result.get("ok"):
@@ -202,12 +211,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="vLLM gpu_memory_utilization (weights + activations + KV)")
     p.add_argument("--kvtier-device-fraction", type=float, default=0.75,
                    help="kvtier's page pool share of the free device memory (throughput runs), "
-                        "when its KV capacity is not vLLM's (--kvtier-kv-tokens)")
+                        "when its KV capacity is not vLLM's (--kvtier-kv-tokens), and the most "
+                        "it takes when it is")
     p.add_argument("--kvtier-kv-tokens", type=int, default=-1,
                    help="KV tokens of kvtier's page pool in the throughput runs: -1 (default) "
                         "the GPU KV cache vLLM sized for itself in this run's vllm_main case "
                         "(run first then; else --kvtier-device-fraction), 0 the fraction, "
                         "N that many")
+    p.add_argument("--kvtier-step-tokens", type=int, default=-1,
+                   help="kvtier's prefill chunk (engine.prefill_chunk_tokens) in the throughput "
+                        "runs: -1 (default) vLLM's tokens per step in this run's vllm_main case "
+                        "(its max_num_batched_tokens), 0 kvtier's own, N that many")
     p.add_argument("--kvtier-ttft-fraction", type=float, default=0.3,
                    help="each of the two TTFT services' page pool share (kvtier bench ttft's)")
     p.add_argument("--kvtier-set", default="",

@@ -76,13 +76,23 @@ def kvtier_case(args: argparse.Namespace, deterministic: bool = False) -> dict[s
 
     extra = {"host.pinned_budget_bytes": pinned,
              "engine.deterministic": str(deterministic).lower(), **args.kvtier_set}
-    if args.kvtier_kv_tokens > 0:     # vLLM's KV capacity, in kvtier's pages
-        extra["cache.device_pages"] = str(-(-args.kvtier_kv_tokens // config.cache.page_size))
+    if args.kvtier_step_tokens > 0:   # vLLM's tokens per step: prefill chunks of the same size
+        extra.setdefault("engine.prefill_chunk_tokens", str(args.kvtier_step_tokens))
+    if args.kvtier_kv_tokens > 0:     # vLLM's KV capacity, in kvtier's pages, where it fits
+        pages = -(-args.kvtier_kv_tokens // config.cache.page_size)
+        fits = fitting_pages(args, config, lm)
+        if fits is not None and fits < pages:
+            log(f"kvtier: vLLM's {args.kvtier_kv_tokens} KV tokens do not fit beside the "
+                f"engine's workspaces; {fits * config.cache.page_size} instead")
+            res["kv_tokens_capped_from"] = args.kvtier_kv_tokens
+            pages = fits
+        extra["cache.device_pages"] = str(pages)
     service = _service(lm, args.device, args.dtype, max(args.levels), host_pool,
                        device_fraction=args.kvtier_device_fraction, extra=extra)
     pages = service.engine.pages
     pool = getattr(getattr(pages, "tiered", pages), "device_pool", None)
     res["kv_tokens"] = pool.num_pages * config.cache.page_size if pool is not None else None
+    res["step_tokens"] = service.config.engine.prefill_chunk_tokens
     try:
         _generate_all(service, [prompt(64, seed=990 + i) for i in range(2)], 8)   # warm-up
         graphs = service.engine.decode_graphs
@@ -115,6 +125,17 @@ def kvtier_case(args: argparse.Namespace, deterministic: bool = False) -> dict[s
     finally:
         service.close()
     return res
+
+
+def fitting_pages(args: argparse.Namespace, config: Any, lm: Any) -> int | None:
+    """kvtier pages that fit in ``--kvtier-device-fraction`` of the device memory free now (the
+    rest is the engine's workspace: prefill chunks, decode and suffix graphs); None off CUDA."""
+    import torch
+
+    if not torch.cuda.is_available() or not str(args.device).startswith("cuda"):
+        return None
+    free, _ = torch.cuda.mem_get_info()
+    return int(free * args.kvtier_device_fraction) // lm.kv_layout(config.cache.page_size).page_bytes
 
 
 def _itl_ahead(service: Any, graphs: Any, run: Any, args: argparse.Namespace

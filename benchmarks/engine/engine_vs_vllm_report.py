@@ -70,6 +70,8 @@ def table(args: argparse.Namespace, cases: dict[str, dict[str, Any]]) -> tuple[s
                     main.get("itl", {}).get(str(batch), {}).get("itl_ms"))
     add("KV capacity of the throughput runs", "reference", "tokens", kv.get("kv_tokens"),
         main.get("kv_tokens"))
+    add("prefill tokens per step of the throughput runs", "reference", "tokens",
+        kv.get("step_tokens"), main.get("step_tokens"))
     preempted = kv.get("engine_stats", {}).get("preempted")
     if preempted is not None:
         add("kvtier sequences preempted (whole run)", "reference", "count", preempted, None)

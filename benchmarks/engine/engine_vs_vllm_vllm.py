@@ -62,6 +62,9 @@ def vllm_case(args: argparse.Namespace, name: str) -> dict[str, Any]:
     cache_config = case.llm.llm_engine.vllm_config.cache_config
     if cache_config.num_gpu_blocks:      # the KV capacity vLLM sized for itself
         res["kv_tokens"] = int(cache_config.num_gpu_blocks) * int(cache_config.block_size)
+    # Tokens one step runs at most (its default depends on the GPU's memory and the entry point)
+    res["step_tokens"] = int(case.llm.llm_engine.vllm_config.scheduler_config
+                             .max_num_batched_tokens)
     case.gen(prompt(args.lengths[0], seed=7), 1)                     # warm-up
 
     def ttft_at(length: int) -> dict[str, Any]:

@@ -29,7 +29,7 @@ import torch
 from batching_peer import time_generate_batch
 from kvtier.config import build_config
 from kvtier.engine.hf import load_model
-from kvtier.engine.request import GenerationRequest, TokenEvent
+from kvtier.engine.request import FinishEvent, GenerationRequest, TokenEvent
 from kvtier.engine.service import EngineService
 from kvtier.machine import format_table, machine_info
 
@@ -102,24 +102,30 @@ def _timed_concurrent(service: EngineService, prompts: list[list[int]], new: int
     started = time.perf_counter()
     handles = [service.submit(GenerationRequest(tuple(p), new)) for p in prompts]
 
-    def read(handle: Any) -> tuple[float, int]:
-        first, count = None, 0
+    def read(handle: Any) -> tuple[float, int, str | None]:
+        first, count, error = None, 0, None
         for event in handle.events(1800):
             if not isinstance(event, TokenEvent):
+                if isinstance(event, FinishEvent) and event.reason == "error":
+                    error = f"{event.error_kind}: {event.error}"
                 break
             first = first or time.perf_counter()
             count += 1
-        return (first or time.perf_counter()) - started, count
+        return (first or time.perf_counter()) - started, count, error
 
     with ThreadPoolExecutor(max_workers=len(handles)) as pool:
         read_back = list(pool.map(read, handles))
-    ttfts = [ttft for ttft, _ in read_back]
-    tokens = sum(count for _, count in read_back)
+    ttfts = [ttft for ttft, _, _ in read_back]
+    tokens = sum(count for _, count, _ in read_back)
+    errors = [error for _, _, error in read_back if error is not None]
     _sync()
     seconds = time.perf_counter() - started
-    return {"requests": len(prompts), "generated_tokens": tokens, "seconds": round(seconds, 3),
-            "tokens_per_s": round(tokens / seconds, 1),
-            "ttft_p50_s": round(statistics.median(ttfts), 3)}
+    out = {"requests": len(prompts), "generated_tokens": tokens, "seconds": round(seconds, 3),
+           "tokens_per_s": round(tokens / seconds, 1),
+           "ttft_p50_s": round(statistics.median(ttfts), 3)}
+    if errors:       # a rate over failed requests is no rate: the caller's run fails
+        raise RuntimeError(f"{len(errors)} of {len(prompts)} requests failed, first: {errors[0]}")
+    return out
 
 
 def _single(service: EngineService, args: argparse.Namespace, vocab: int) -> dict[str, Any]:

@@ -71,11 +71,13 @@ class EngineConfig:
                                   "graphs (captured at batch buckets 1, 2, 4, ... up to it; "
                                   "larger steps run eagerly). 0: no decode graphs. CUDA only.",
                                   minimum=0)
-    decode_ahead: bool = opt(False, "Queue each greedy decode step from its captured graph "
+    decode_ahead: bool = opt(True, "Queue each greedy decode step from its captured graph "
                              "before the step in flight hands its tokens to the host, so the "
                              "GPU does not wait for the engine thread between decode steps "
-                             "(needs decode graphs; sampled requests step one at a time). Off "
-                             "until a GPU run shows it ahead of steps one at a time.")
+                             "(needs decode graphs; sampled requests step one at a time). On: "
+                             "on an H100 it cut the inter-token latency at batch 16 from 9.6 to "
+                             "8.5 ms and raised throughput 3-4% (benchmarks/results/"
+                             "engine_vs_vllm_h100_ahead_chunk16k.*); the same tokens either way.")
     max_new_tokens: int = opt(256, "Default cap on generated tokens per request.", minimum=1)
     max_running: int = opt(16, "Sequences generated at once, in one forward per step; others "
                            "wait in the fair queue.", minimum=1, alias="--max-running")

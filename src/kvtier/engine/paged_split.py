@@ -28,6 +28,11 @@ from kvtier.engine.rounding import dot_at
 #: (a head_dim vector and two scalars in fp32) stays small next to the keys it read.
 CHUNK_TOKENS = 256
 BLOCK_N = 32
+#: Software-pipelining stages of the chunk kernel: the same sums in the same order as Triton's
+#: default 3 (bit-identical output), and on an H100 never slower: 2% faster at 64 rows of 5108
+#: keys (where it reads K and V at 2.8 TB/s), 12% at 16 rows of 2049, even at 1 row
+#: (benchmarks/results/decode_sweep_h100.*; ``benchmarks/engine/decode_sweep.py``).
+NUM_STAGES = 2
 
 
 @triton.jit(do_not_specialize=["max_pages", "n_splits"])
@@ -134,6 +139,7 @@ def split_decode(query: torch.Tensor, key_pages: torch.Tensor, value_pages: torc
         query.stride(0), query.stride(1), key_pages.stride(1), key_pages.stride(2),
         table.shape[1], n_rep, key_pages.shape[1], scaling * 1.4426950408889634, n_splits,
         HEAD_DIM=dim, BLOCK_R=max(16, triton.next_power_of_2(n_rep)), BLOCK_N=BLOCK_N,
-        CHUNK=CHUNK_TOKENS, PRECISION="ieee" if query.dtype == torch.float32 else "tf32")
+        CHUNK=CHUNK_TOKENS, PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_stages=NUM_STAGES)
     merge_kernel[(rows, heads)](partial, sums, acc, out, decodes, n_splits,
                                 HEAD_DIM=dim, CHUNK=CHUNK_TOKENS)

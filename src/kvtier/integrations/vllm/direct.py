@@ -4,7 +4,11 @@ staging pages of kvtier's on the GPU (connector key ``"direct": true``).
 Owns ``host_kv`` (the host pool's bytes seen as a ``[layers, K|V, pages, page_size, heads,
 head_dim]`` tensor, no copy), ``EventTicket`` (copies queued on a CUDA stream, as the cache's
 tickets go) and ``DirectCopies``, the tensor work of the path. Every copy crosses the bus once,
-on a CUDA stream of its own (``DirectCopies.stream``), beside the forward rather than inside it:
+beside the forward rather than inside it, loads and saves on CUDA streams of their own
+(``DirectCopies.load_stream``, at the device's highest priority, and ``save_stream``): a load a
+request waits for never queues behind the saves of the prompts before it, which run on a
+capped grid and take far longer than a load (a load's blocks are never ones a save reads: vLLM
+gives a saving request's blocks to another only after the save, ``released``/``preempted``):
 
 - a load copies the host pages a hit holds (``TieredCache.hold_host``: verified, pinned; the
   part only a store held landed there first) into vLLM's blocks, every layer in one launch,
@@ -200,8 +204,13 @@ class DirectCopies:
         self.blocks = (BlockCopier(layout, self.pool, device=self.device,
                                    store_programs=store_cap)
                        if wanted and fits else None)
-        #: The path's copies run here, beside the forward (CUDA; None on the CPU).
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        #: The path's copies run here, beside the forward (CUDA; None on the CPU): loads on a
+        #: stream of the highest priority (a request waits for them), saves on their own.
+        self.load_stream = self.save_stream = None
+        if self.device.type == "cuda":
+            # torch maps a priority past the device's range to the nearest one: the highest
+            self.load_stream = torch.cuda.Stream(self.device, priority=-(1 << 16))
+            self.save_stream = torch.cuda.Stream(self.device)
         host = runtime.options.config.host
         batch = engine_copies(self.device, host.copy_path)
         #: Loads through the copy engines (see the module docstring), else the row kernel.
@@ -242,14 +251,14 @@ class DirectCopies:
             torch.cuda.synchronize(self.device)
 
     @contextmanager
-    def _beside(self) -> Iterator[None]:
-        """Queue the block of copies on the path's stream, after everything the forward's
-        stream holds now (on the CPU: right here)."""
-        if self.stream is None:
+    def _beside(self, stream: torch.cuda.Stream | None) -> Iterator[None]:
+        """Queue the block of copies on ``stream``, after everything the forward's stream
+        holds now (on the CPU, None: right here)."""
+        if stream is None:
             yield
             return
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
             yield
 
     def _ticket(self, keep: tuple[Any, ...] = ()) -> Ticket:
@@ -260,7 +269,7 @@ class DirectCopies:
         """Queue the copy of ``spec``'s tokens (whole blocks: see the module docstring) from
         the held host pages into vLLM's blocks; the ticket says when it is over."""
         rows, slots, whole = self.plan_load(spec, held)
-        with self._beside():
+        with self._beside(self.load_stream):
             kept: list[Any] = []
             if whole is not None and self.bounce is not None:
                 kept = self.bounce.load(*whole)
@@ -312,7 +321,7 @@ class DirectCopies:
         tickets: list[Ticket] = []
 
         def fill(first: int, host_ids: list[int]) -> Ticket:
-            with self._beside():
+            with self._beside(self.save_stream):
                 ids = self._copy_out(spec, first, host_ids)
                 tickets.append(self._ticket((ids,)))
             rt.counts["saved_tokens"] += len(host_ids) * rt.page_size
