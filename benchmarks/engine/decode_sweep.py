@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +42,7 @@ def main() -> None:
 
     import triton
 
+    from kernel_timing import device_ms
     from kvtier.engine import paged_split
     from kvtier.machine import format_table, machine_info
 
@@ -82,9 +82,9 @@ def main() -> None:
         block_n, warps, stages = (int(x) for x in config.split("/"))
         out = torch.zeros_like(q)
         try:
-            for _ in range(3):
-                launch(block_n, warps, stages, out)
-            ms = _timed(lambda c=(block_n, warps, stages, out): launch(*c), args.iters, dev)
+            launch(block_n, warps, stages, out)          # compiles it
+            ms = device_ms(lambda c=(block_n, warps, stages, out): launch(*c), args.iters,
+                           dev.type == "cuda")
         except Exception as exc:      # a config the compiler or the device refuses
             rows.append({"config": config, "error": f"{type(exc).__name__}: {exc}"[:300]})
             continue
@@ -104,23 +104,6 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "decode_sweep.json").write_text(json.dumps(
         {"args": vars(args), "rows": rows, "machine": machine_info()}, indent=2))
-
-
-def _timed(fn: Any, iters: int, dev: torch.device) -> float:
-    """Mean ms of ``fn`` over ``iters`` runs (CUDA events on the GPU)."""
-    if dev.type != "cuda":
-        started = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return (time.perf_counter() - started) * 1e3 / iters
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 if __name__ == "__main__":

@@ -52,12 +52,11 @@ def _model(tmp: Path, kinds: list[str]) -> Path:
 
 def _nan_decoded(run: dict[str, Any], reference: dict[str, Any]) -> bool:
     """Every request's first token right and every later one 0 (argmax of NaN logits), where
-    the reference decoded other tokens: how this model's decode steps have failed now and then
-    on vLLM's CPU backend, in store and load runs alike. Not traced to its cause: it was seen
-    in a store run too, where kvtier writes nothing into vLLM's cache; vLLM's CPU attention
-    carries a NaN in KV slots no token of a request wrote into its rows (a cache filled with
-    NaN before the run: every token 0). A wrong load or claim shows otherwise (a wrong first
-    token, or other tokens), and fails at once."""
+    the reference decoded other tokens: how this model's decode steps fail now and then on
+    vLLM's CPU backend whenever a connector without ``SupportsHMA`` turns vLLM's hybrid KV
+    cache manager off, kvtier's or one that does nothing (``benchmarks/vllm/hybrid_nan_probe.py``:
+    vLLM's own fault, not kvtier's). A wrong load or claim shows otherwise (a wrong first token,
+    or other tokens), and fails at once."""
     got, want = _tokens(run["steps"][0]), _tokens(reference["steps"][0])
     return all(g[0] == w[0] and set(g[1:]) == {0} and set(w[1:]) != {0}
                for g, w in zip(got, want, strict=True))
