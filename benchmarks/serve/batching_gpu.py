@@ -118,14 +118,13 @@ def _timed_concurrent(service: EngineService, prompts: list[list[int]], new: int
     ttfts = [ttft for ttft, _, _ in read_back]
     tokens = sum(count for _, count, _ in read_back)
     errors = [error for _, _, error in read_back if error is not None]
-    _sync()
-    seconds = time.perf_counter() - started
-    out = {"requests": len(prompts), "generated_tokens": tokens, "seconds": round(seconds, 3),
-           "tokens_per_s": round(tokens / seconds, 1),
-           "ttft_p50_s": round(statistics.median(ttfts), 3)}
     if errors:       # a rate over failed requests is no rate: the caller's run fails
         raise RuntimeError(f"{len(errors)} of {len(prompts)} requests failed, first: {errors[0]}")
-    return out
+    _sync()
+    seconds = time.perf_counter() - started
+    return {"requests": len(prompts), "generated_tokens": tokens, "seconds": round(seconds, 3),
+            "tokens_per_s": round(tokens / seconds, 1),
+            "ttft_p50_s": round(statistics.median(ttfts), 3)}
 
 
 def _single(service: EngineService, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
