@@ -91,6 +91,7 @@ def _reference(query, k, v, table, start):
     (16, 2, 4, CHUNK - 20, 45),    # a chunk after a past, across a chunk boundary
     (64, 1, 8, 0, 2 * BLOCK + 5),  # pages of whole blocks: one lookup per block
     (64, 3, 3, 2 * CHUNK + 7, 19), # a group of 3 (42 tokens a tile), past 2 chunks
+    (256, 2, 4, CHUNK + 10, 300),  # pages of two chunks: a chunk's blocks share a page
     (16, 4, 1, 5, 40),             # no grouping
 ])
 def test_the_flash_kernel_equals_plain_attention(page, kv_heads, n_rep, start, count):
@@ -234,6 +235,8 @@ def test_tiles_and_chunks_that_do_not_fit_are_refused():
         paged_triton.paged_attention(query, k, v, table, tiles, SCALE, 40)
     with pytest.raises(ValueError, match="multiple"):
         paged_triton.paged_attention(query, k, v, table, tiles[:, :], SCALE, 32, chunk=100)
+    with pytest.raises(ValueError, match="power-of-two multiple"):   # a chunk's pages: one arange
+        paged_triton.paged_attention(query, k, v, table, tiles[:, :], SCALE, 32, chunk=192)
     with pytest.raises(ValueError, match="multiple of 128"):
         paged_triton.paged_attention(query, k, v, table, tiles[:, :], SCALE, 32, chunk=192,
                                      block_n=128)

@@ -64,16 +64,66 @@ BUILD = textwrap.dedent("""
 """)
 
 
-def test_the_flash_kernel_builds_for_hopper_with_descriptor_and_pointer_loads():
+#: The same for ``benchmarks/engine/attention_ceiling.py``'s dense kernel (its descriptor form
+#: once failed on an H100 the way the paged kernel's had).
+BUILD_CEILING = textwrap.dedent("""
+    import sys
+
+    import triton
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import attention_ceiling
+
+    kernel = attention_ceiling.dense_attention_kernel
+    target = GPUTarget("cuda", 90, 32)
+    backend = triton.compiler.make_backend(target)
+    options = backend.parse_options({})
+    for tma in (True, False):
+        tiles = ("tensordesc<bf16[128,128]>", "tensordesc<bf16[64,128]>") if tma \
+            else ("*bf16", "*bf16")
+        signature = {"q_src": tiles[0], "k_src": tiles[1], "v_src": tiles[1],
+                     "out_ptr": "*bf16", "n_tokens": "i32", "n_rep": "i32",
+                     "scale_log2": "fp32"}
+        constants = dict(HEAD_DIM=128, BLOCK_M=128, BLOCK_N=64, TMA=tma, WS=False)
+        signature.update({arg: "constexpr" for arg in constants})
+        source = ASTSource(kernel, signature, {(kernel.arg_names.index(arg),): value
+                                               for arg, value in constants.items()})
+        context = ir.context()
+        ir.load_dialects(context)
+        backend.load_dialects(context)
+        try:
+            source.make_ir(target, options, backend.get_codegen_implementation(options),
+                           backend.get_module_map(), context)
+        except Exception as exc:
+            print(f"FAILED tma={tma}: {type(exc).__name__}: {exc}")
+            sys.exit(1)
+        print(f"built tma={tma}")
+""")
+
+
+def _build_for_hopper(script: str, *paths: Path) -> str:
+    """Run ``script`` in a child process without the interpreter; its output."""
     triton = pytest.importorskip("triton")
     from triton import backends
 
     if "nvidia" not in backends.backends:
         pytest.skip(f"this Triton ({triton.__version__}) has no CUDA backend")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [*map(str, paths),
+                                                      env.get("PYTHONPATH")]))
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    done = subprocess.run([sys.executable, "-c", BUILD], env=env, capture_output=True,
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.stdout.count("built ") == 4, done.stdout
+    return done.stdout
+
+
+def test_the_flash_kernel_builds_for_hopper_with_descriptor_and_pointer_loads():
+    assert _build_for_hopper(BUILD, SRC).count("built ") == 4
+
+
+def test_the_ceiling_benchmarks_dense_kernel_builds_for_hopper():
+    out = _build_for_hopper(BUILD_CEILING, SRC, SRC.parent / "benchmarks" / "engine")
+    assert out.count("built ") == 2, out

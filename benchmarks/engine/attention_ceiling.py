@@ -60,11 +60,15 @@ def _attend(q, k, v, m_i, l_i, acc, rows, start_n, scale_log2,
 @triton.jit
 def _load_kv(k_src, v_src, row, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
              TMA: tl.constexpr):
-    """Rows ``[row, row + BLOCK_N)`` of K and V, through descriptors or pointers."""
+    """Rows ``[row, row + BLOCK_N)`` of K and V, through descriptors or pointers (one return
+    after both branches: Triton builds the code after a constexpr branch that returns)."""
     if TMA:
-        return k_src.load([row, 0]), v_src.load([row, 0])
-    offsets = (row + tl.arange(0, BLOCK_N))[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
-    return tl.load(k_src + offsets), tl.load(v_src + offsets)
+        k, v = k_src.load([row, 0]), v_src.load([row, 0])
+    else:
+        offsets = (row + tl.arange(0, BLOCK_N))[:, None] * HEAD_DIM \
+            + tl.arange(0, HEAD_DIM)[None, :]
+        k, v = tl.load(k_src + offsets), tl.load(v_src + offsets)
+    return k, v
 
 
 @triton.jit

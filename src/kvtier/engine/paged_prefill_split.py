@@ -63,7 +63,7 @@ def split_prefill_kernel(q_ptr, k_ptr, v_ptr, m_ptr, l_ptr, acc_ptr, table_ptr, 
         m_s, l_s, acc_s = chunk_softmax(
             q, k_ptr, v_ptr, table_ptr, seq, max_pages, page_size, sk_tok, sk_h, kv_head,
             chunk_start, tl.minimum(chunk_start + CHUNK, n_keys), pos_first + token,
-            scale_log2, HEAD_DIM, BLOCK_R, BLOCK_N, PAGE_RUN, PRECISION)
+            scale_log2, HEAD_DIM, BLOCK_R, BLOCK_N, CHUNK // BLOCK_N, PAGE_RUN, PRECISION)
         part = ((block * tl.num_programs(1) + kv_head) * n_chunks + chunk) * BLOCK_R + rows
         tl.store(m_ptr + part, m_s)
         tl.store(l_ptr + part, l_s)

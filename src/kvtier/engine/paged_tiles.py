@@ -5,7 +5,8 @@ keys is summed, whichever launch computes it (``paged_triton``'s flash kernel fo
 and chunks, ``paged_prefill_split``'s split launch for a hit's few new tokens):
 
 - keys are read in blocks of ``BLOCK_N`` positions aligned on position 0 (``load_block``:
-  one page-table lookup per block when pages hold whole blocks, one per key otherwise; with
+  when pages hold whole blocks, a chunk's pages come in one vector load before its blocks,
+  ``chunk_pages``; one lookup per key otherwise; with
   ``TMA`` the block comes through Hopper's tensor-memory accelerator from a tensor
   descriptor over the pages, the same values, no address tiles in registers);
 - a block updates a chunk's online softmax (``attend_block``): the scores stay unscaled
@@ -50,12 +51,13 @@ NUM_WARPS = 8
 
 @triton.jit
 def load_block(k_ptr, v_ptr, table_ptr, seq, max_pages, page_size, sk_tok, sk_h, kv_head,
-               start, end, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+               start, end, pages, block, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                PAGE_RUN: tl.constexpr, CHECK_END: tl.constexpr, TMA: tl.constexpr = False):
     """Keys and values ``[start, start + BLOCK_N)`` of one sequence (positions at or past
     ``end`` read as zeros; ``CHECK_END`` False: the caller knows the block ends before
     ``end``) as ``[BLOCK_N, HEAD_DIM]`` tiles. ``PAGE_RUN``: a page holds whole blocks
-    (``page_size`` a multiple of ``BLOCK_N``), so one lookup finds the block's page.
+    (``page_size`` a multiple of ``BLOCK_N``), and the block's page is entry ``block`` of
+    ``pages`` (``chunk_pages``: looked up once a chunk, not here).
     ``TMA`` (with ``PAGE_RUN``): ``k_ptr``/``v_ptr`` are tensor descriptors over the pages
     as ``[pages * page_size, kv_heads * HEAD_DIM]`` rows with ``[BLOCK_N, HEAD_DIM]`` boxes;
     a page's rows past ``end`` hold other positions' bytes, zeroed here as the masked load
@@ -66,8 +68,7 @@ def load_block(k_ptr, v_ptr, table_ptr, seq, max_pages, page_size, sk_tok, sk_h,
     # One return, after both branches: Triton compiles the code after a constexpr branch that
     # returns, so the pointer loads would be built on descriptors.
     if TMA:
-        page = tl.load(table_ptr + seq * max_pages + start // page_size)
-        row = page * page_size + start % page_size
+        row = block_page(pages, block) * page_size + start % page_size
         k = k_ptr.load([row, kv_head * HEAD_DIM])
         v = v_ptr.load([row, kv_head * HEAD_DIM])
         if CHECK_END:
@@ -75,7 +76,7 @@ def load_block(k_ptr, v_ptr, table_ptr, seq, max_pages, page_size, sk_tok, sk_h,
             v = tl.where(col_ok[:, None], v, 0.0)
     else:
         if PAGE_RUN:
-            page = tl.load(table_ptr + seq * max_pages + start // page_size)
+            page = block_page(pages, block)
             slot = page.to(tl.int64) * page_size + (start % page_size) + tl.arange(0, BLOCK_N)
         else:
             page = tl.load(table_ptr + seq * max_pages + cols // page_size, mask=col_ok,
@@ -89,6 +90,29 @@ def load_block(k_ptr, v_ptr, table_ptr, seq, max_pages, page_size, sk_tok, sk_h,
             k = tl.load(k_ptr + offsets)
             v = tl.load(v_ptr + offsets)
     return k, v
+
+
+@triton.jit
+def chunk_pages(table_ptr, seq, max_pages, page_size, chunk_start, BLOCK_N: tl.constexpr,
+                PER_CHUNK: tl.constexpr, PAGE_RUN: tl.constexpr):
+    """The page of each of the ``PER_CHUNK`` key blocks from ``chunk_start`` (pages holding
+    whole blocks), in one vector load; zeros without ``PAGE_RUN`` (``load_block`` then looks
+    each key up itself). Looked up before a chunk's block loop, so the address of a block's
+    keys is arithmetic on registers: a lookup inside the loop is a scalar load the software
+    pipeline does not issue ahead, and each block's key load waited for it: 22.7 ms a 32k
+    layer on an H100 against 19.0 with the lookups here, where a third pipeline stage then
+    pays (``benchmarks/results/attention_sweep_h100_chunk_pages.txt``)."""
+    if PAGE_RUN:
+        index = (chunk_start + tl.arange(0, PER_CHUNK) * BLOCK_N) // page_size
+        return tl.load(table_ptr + seq * max_pages + index, mask=index < max_pages, other=0)
+    else:
+        return tl.zeros([PER_CHUNK], tl.int32)
+
+
+@triton.jit
+def block_page(pages, block):
+    """Entry ``block`` of a chunk's ``pages`` (a select and a sum over a few registers)."""
+    return tl.sum(tl.where(tl.arange(0, pages.shape[0]) == block, pages, 0), 0)
 
 
 @triton.jit
@@ -127,16 +151,20 @@ def merge_chunk(m_run, l_run, acc_run, m_s, l_s, acc_s, scale_log2):
 def chunk_softmax(q, k_ptr, v_ptr, table_ptr, seq, max_pages, page_size, sk_tok, sk_h, kv_head,
                   chunk_start, chunk_end, last_visible, scale_log2,
                   HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                  PAGE_RUN: tl.constexpr, PRECISION: tl.constexpr):
-    """Keys ``[chunk_start, chunk_end)`` of one sequence for ``BLOCK_R`` query rows: the
+                  PER_CHUNK: tl.constexpr, PAGE_RUN: tl.constexpr, PRECISION: tl.constexpr):
+    """Keys ``[chunk_start, chunk_end)`` (at most ``PER_CHUNK`` blocks) of one sequence for
+    ``BLOCK_R`` query rows: the
     chunk's (maximum, sum, unnormalized output) from scratch. A row that sees none of them
     gets (-inf, 0, 0)."""
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, HEAD_DIM], tl.float32)
+    pages = chunk_pages(table_ptr, seq, max_pages, page_size, chunk_start, BLOCK_N, PER_CHUNK,
+                        PAGE_RUN)
     for start in range(chunk_start, chunk_end, BLOCK_N):
         k, v = load_block(k_ptr, v_ptr, table_ptr, seq, max_pages, page_size, sk_tok, sk_h,
-                          kv_head, start, chunk_end, HEAD_DIM, BLOCK_N, PAGE_RUN, True)
+                          kv_head, start, chunk_end, pages, (start - chunk_start) // BLOCK_N,
+                          HEAD_DIM, BLOCK_N, PAGE_RUN, True)
         m_i, l_i, acc = attend_block(q, k, v, m_i, l_i, acc, start, chunk_end, last_visible,
                                      scale_log2, BLOCK_N, True, PRECISION)
     return m_i, l_i, acc
@@ -150,9 +178,12 @@ def precision_for(dtype: object) -> str:
 
 
 def check_chunk(chunk: int, block_n: int = BLOCK_N) -> None:
-    """Refuse a chunk that is not a positive multiple of ``block_n`` keys."""
-    if chunk <= 0 or chunk % block_n:
-        raise ValueError(f"a chunk must be a positive multiple of {block_n} keys, got {chunk}")
+    """Refuse a chunk that is not a power-of-two number of ``block_n``-key blocks (a chunk's
+    pages are one ``tl.arange`` vector)."""
+    blocks = chunk // block_n
+    if chunk <= 0 or chunk % block_n or blocks & (blocks - 1):
+        raise ValueError(f"a chunk must be a power-of-two multiple of {block_n} keys, "
+                         f"got {chunk}")
 
 
 def page_run(page_size: int, block_n: int = BLOCK_N) -> bool:

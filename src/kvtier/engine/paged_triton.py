@@ -8,9 +8,10 @@ programs; the rest (prompts, prompt chunks, a hit's suffix) run here.
 Work is cut into tiles of ``MAX_ROWS`` query rows: up to ``MAX_ROWS // n_rep`` consecutive new
 tokens of one sequence times the ``n_rep`` query heads sharing one KV head (grouped-query
 attention packed into the tile, no copies). One program takes one tile and one KV head and
-walks the sequence's keys from position 0 in blocks of ``BLOCK_N``: a block's page is found
-with one table lookup when pages hold whole blocks (any page size works, one lookup per key
-otherwise) and then read by pointers or through tensor descriptors (``use_tma``);
+walks the sequence's keys from position 0 in blocks of ``BLOCK_N``: when pages hold whole
+blocks, a chunk's pages are looked up in one vector load before its blocks (any page size
+works, one lookup per key otherwise), and a block is read by pointers or through tensor
+descriptors (``use_tma``);
 blocks every row of the tile sees whole run without a mask, only the last few (the causal
 diagonal) are masked, and blocks past the tile's last query are never read. The
 softmax is online in fp32 with the dots in bf16/fp16 on the tensor cores, fp32 in IEEE
@@ -47,6 +48,7 @@ from kvtier.engine.paged_tiles import (
     NUM_WARPS,
     attend_block,
     check_chunk,
+    chunk_pages,
     load_block,
     merge_chunk,
     page_run,
@@ -133,9 +135,12 @@ def flash_prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, blocks_ptr,
         m_c = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_c = tl.zeros([BLOCK_M], tl.float32)
         acc_c = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        pages = chunk_pages(table_ptr, seq, max_pages, page_size, c * CHUNK, BLOCK_N, PER_CHUNK,
+                            PAGE_RUN)
         for start in range(c * CHUNK, c * CHUNK + CHUNK, BLOCK_N):
             k, v = load_block(k_ptr, v_ptr, table_ptr, seq, max_pages, page_size, sk_tok, sk_h,
-                              kv_head, start, n_keys, HEAD_DIM, BLOCK_N, PAGE_RUN, False, TMA)
+                              kv_head, start, n_keys, pages, (start - c * CHUNK) // BLOCK_N,
+                              HEAD_DIM, BLOCK_N, PAGE_RUN, False, TMA)
             m_c, l_c, acc_c = attend_block(q, k, v, m_c, l_c, acc_c, start, n_keys,
                                            last_visible, scale_log2, BLOCK_N, False, PRECISION)
         m_run, l_run, acc_run = merge_chunk(m_run, l_run, acc_run, m_c, l_c, acc_c, scale_log2)
@@ -146,14 +151,18 @@ def flash_prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, blocks_ptr,
         acc_c = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         chunk_end = tl.minimum(c * CHUNK + CHUNK, n_keys)
         full_end = tl.minimum(chunk_end, n_full * BLOCK_N)
+        pages = chunk_pages(table_ptr, seq, max_pages, page_size, c * CHUNK, BLOCK_N, PER_CHUNK,
+                            PAGE_RUN)
         for start in range(c * CHUNK, full_end, BLOCK_N):
             k, v = load_block(k_ptr, v_ptr, table_ptr, seq, max_pages, page_size, sk_tok, sk_h,
-                              kv_head, start, n_keys, HEAD_DIM, BLOCK_N, PAGE_RUN, False, TMA)
+                              kv_head, start, n_keys, pages, (start - c * CHUNK) // BLOCK_N,
+                              HEAD_DIM, BLOCK_N, PAGE_RUN, False, TMA)
             m_c, l_c, acc_c = attend_block(q, k, v, m_c, l_c, acc_c, start, n_keys,
                                            last_visible, scale_log2, BLOCK_N, False, PRECISION)
         for start in range(tl.maximum(full_end, c * CHUNK), chunk_end, BLOCK_N):
             k, v = load_block(k_ptr, v_ptr, table_ptr, seq, max_pages, page_size, sk_tok, sk_h,
-                              kv_head, start, n_keys, HEAD_DIM, BLOCK_N, PAGE_RUN, True, TMA)
+                              kv_head, start, n_keys, pages, (start - c * CHUNK) // BLOCK_N,
+                              HEAD_DIM, BLOCK_N, PAGE_RUN, True, TMA)
             m_c, l_c, acc_c = attend_block(q, k, v, m_c, l_c, acc_c, start, n_keys,
                                            last_visible, scale_log2, BLOCK_N, True, PRECISION)
         m_run, l_run, acc_run = merge_chunk(m_run, l_run, acc_run, m_c, l_c, acc_c, scale_log2)
