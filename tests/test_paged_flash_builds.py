@@ -20,21 +20,42 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
-BUILD = textwrap.dedent("""
+#: Builds ``kernel``'s Triton IR for sm_90 under ``signature`` and ``constants``; a failure
+#: prints why and exits 1 (shared by the scripts below).
+PRELUDE = textwrap.dedent("""
     import sys
 
-    import torch
     import triton
     from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kvtier.engine import paged_triton as pt
-
-    kernel = pt.flash_prefill_kernel
     target = GPUTarget("cuda", 90, 32)
     backend = triton.compiler.make_backend(target)
     options = backend.parse_options({})
+
+
+    def build(kernel, signature, constants, label):
+        signature = {**signature, **{arg: "constexpr" for arg in constants}}
+        source = ASTSource(kernel, signature, {(kernel.arg_names.index(arg),): value
+                                               for arg, value in constants.items()})
+        context = ir.context()
+        ir.load_dialects(context)
+        backend.load_dialects(context)
+        try:
+            source.make_ir(target, options, backend.get_codegen_implementation(options),
+                           backend.get_module_map(), context)
+        except Exception as exc:
+            print(f"FAILED {label}: {type(exc).__name__}: {exc}")
+            sys.exit(1)
+        print(f"built {label}")
+""")
+
+BUILD = PRELUDE + textwrap.dedent("""
+    import torch
+
+    from kvtier.engine import paged_triton as pt
+
     for tma in (True, False):
         for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
             pages = f"tensordesc<{name}[64,128]>" if tma else f"*{name}"
@@ -48,58 +69,22 @@ BUILD = textwrap.dedent("""
                              CHUNK=pt.CHUNK_TOKENS, PER_CHUNK=pt.CHUNK_TOKENS // pt.BLOCK_N,
                              PAGE_RUN=True, PRECISION=pt.precision_for(dtype), TMA=tma,
                              Q_BOX=32 if tma else 0)
-            signature.update({arg: "constexpr" for arg in constants})
-            source = ASTSource(kernel, signature, {(kernel.arg_names.index(arg),): value
-                                                   for arg, value in constants.items()})
-            context = ir.context()
-            ir.load_dialects(context)
-            backend.load_dialects(context)
-            try:
-                source.make_ir(target, options, backend.get_codegen_implementation(options),
-                               backend.get_module_map(), context)
-            except Exception as exc:
-                print(f"FAILED tma={tma} {name}: {type(exc).__name__}: {exc}")
-                sys.exit(1)
-            print(f"built tma={tma} {name}")
+            build(pt.flash_prefill_kernel, signature, constants, f"tma={tma} {name}")
 """)
-
 
 #: The same for ``benchmarks/engine/attention_ceiling.py``'s dense kernel (its descriptor form
 #: once failed on an H100 the way the paged kernel's had).
-BUILD_CEILING = textwrap.dedent("""
-    import sys
-
-    import triton
-    from triton._C.libtriton import ir
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+BUILD_CEILING = PRELUDE + textwrap.dedent("""
     import attention_ceiling
 
-    kernel = attention_ceiling.dense_attention_kernel
-    target = GPUTarget("cuda", 90, 32)
-    backend = triton.compiler.make_backend(target)
-    options = backend.parse_options({})
     for tma in (True, False):
-        tiles = ("tensordesc<bf16[128,128]>", "tensordesc<bf16[64,128]>") if tma \
+        tiles = ("tensordesc<bf16[128,128]>", "tensordesc<bf16[64,128]>") if tma \\
             else ("*bf16", "*bf16")
         signature = {"q_src": tiles[0], "k_src": tiles[1], "v_src": tiles[1],
                      "out_ptr": "*bf16", "n_tokens": "i32", "n_rep": "i32",
                      "scale_log2": "fp32"}
-        constants = dict(HEAD_DIM=128, BLOCK_M=128, BLOCK_N=64, TMA=tma, WS=False)
-        signature.update({arg: "constexpr" for arg in constants})
-        source = ASTSource(kernel, signature, {(kernel.arg_names.index(arg),): value
-                                               for arg, value in constants.items()})
-        context = ir.context()
-        ir.load_dialects(context)
-        backend.load_dialects(context)
-        try:
-            source.make_ir(target, options, backend.get_codegen_implementation(options),
-                           backend.get_module_map(), context)
-        except Exception as exc:
-            print(f"FAILED tma={tma}: {type(exc).__name__}: {exc}")
-            sys.exit(1)
-        print(f"built tma={tma}")
+        build(attention_ceiling.dense_attention_kernel, signature,
+              dict(HEAD_DIM=128, BLOCK_M=128, BLOCK_N=64, TMA=tma, WS=False), f"tma={tma}")
 """)
 
 
