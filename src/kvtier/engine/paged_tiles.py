@@ -153,9 +153,8 @@ def chunk_softmax(q, k_ptr, v_ptr, table_ptr, seq, max_pages, page_size, sk_tok,
                   HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                   PER_CHUNK: tl.constexpr, PAGE_RUN: tl.constexpr, PRECISION: tl.constexpr):
     """Keys ``[chunk_start, chunk_end)`` (at most ``PER_CHUNK`` blocks) of one sequence for
-    ``BLOCK_R`` query rows: the
-    chunk's (maximum, sum, unnormalized output) from scratch. A row that sees none of them
-    gets (-inf, 0, 0)."""
+    ``BLOCK_R`` query rows: the chunk's (maximum, sum, unnormalized output) from scratch. A
+    row that sees none of them gets (-inf, 0, 0)."""
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, HEAD_DIM], tl.float32)
