@@ -1,7 +1,8 @@
 """``engine_vs_vllm.py``'s ``kvtier`` and ``kvtier_det`` cases: kvtier's engine in-process
 (``EngineService``, no HTTP): TTFT of recompute, device hit and host hit (``kvtier bench
 ttft``'s run over vLLM's prompt ids), generated tokens/s at each concurrency level and the
-decode inter-token latency, with ``engine.deterministic`` off or on. The main thread of the
+decode inter-token latency, with ``engine.deterministic`` off or on; and where its GPU memory
+went (``gpu_memory``: weights, page pool, the rest at the throughput runs' peak). The main thread of the
 child process (``engine_vs_vllm.py --case kvtier``) runs it; the engine runs on its own
 thread, as in ``kvtier serve``.
 
@@ -103,6 +104,8 @@ def kvtier_case(args: argparse.Namespace, deterministic: bool = False) -> dict[s
                 ).result(timeout=600)
         _timed_concurrent(service, [prompt(args.throughput_prompt, seed=995 + i) for i in range(2)],
                           NEW_TOKENS)                                            # warm-up
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
         res["throughput"], res["itl"] = {}, {}
         for level in args.levels:
             one = attempt(res["throughput"], str(level), lambda level=level: _timed_concurrent(
@@ -111,6 +114,7 @@ def kvtier_case(args: argparse.Namespace, deterministic: bool = False) -> dict[s
                 one["gen_tok_s"] = one["tokens_per_s"]
             log(f"kvtier throughput {level}: {one}")
             emit("PARTIAL", **res)
+        log(f"kvtier GPU memory {attempt(res, 'gpu_memory', lambda: gpu_memory(lm, pool))}")
 
         def run(prompts: list[list[int]], new: int) -> float:
             return float(_timed_concurrent(service, prompts, new)["seconds"])
@@ -125,6 +129,29 @@ def kvtier_case(args: argparse.Namespace, deterministic: bool = False) -> dict[s
     finally:
         service.close()
     return res
+
+
+def gpu_memory(lm: Any, pool: Any) -> dict[str, float] | None:
+    """Where the engine's GPU memory went by the end of the throughput runs, in GiB: the
+    weights, the KV page pool, the rest at the peak of those runs (prefill activations,
+    decode and suffix graphs, workspaces) and what the caching allocator held beyond what was
+    allocated; None off CUDA."""
+    import torch
+
+    if not torch.cuda.is_available() or lm.device.type != "cuda":
+        return None
+    gib = float(1 << 30)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()   # views (fused
+                for t in lm.model.parameters()}                           # q/k/v) count once
+    weights = sum(storages.values())
+    kv = pool.nbytes if pool is not None else 0
+    peak = torch.cuda.max_memory_allocated()
+    free, total = torch.cuda.mem_get_info()
+    return {"weights_gib": round(weights / gib, 2), "kv_pool_gib": round(kv / gib, 2),
+            "other_at_peak_gib": round((peak - weights - kv) / gib, 2),
+            "cached_unallocated_gib": round((torch.cuda.memory_reserved()
+                                             - torch.cuda.memory_allocated()) / gib, 2),
+            "free_gib": round(free / gib, 2), "total_gib": round(total / gib, 2)}
 
 
 def fitting_pages(args: argparse.Namespace, config: Any, lm: Any) -> int | None:

@@ -72,6 +72,12 @@ def table(args: argparse.Namespace, cases: dict[str, dict[str, Any]]) -> tuple[s
         main.get("kv_tokens"))
     add("prefill tokens per step of the throughput runs", "reference", "tokens",
         kv.get("step_tokens"), main.get("step_tokens"))
+    memory = kv.get("gpu_memory") or {}
+    for key, what in (("kv_pool_gib", "KV page pool"),
+                      ("other_at_peak_gib", "beyond weights and KV pool, at the peak")):
+        if key in memory:
+            add(f"kvtier GPU memory, {what} (throughput runs)", "reference", "GiB",
+                memory[key], None)
     preempted = kv.get("engine_stats", {}).get("preempted")
     if preempted is not None:
         add("kvtier sequences preempted (whole run)", "reference", "count", preempted, None)
