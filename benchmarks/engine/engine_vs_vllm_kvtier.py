@@ -2,9 +2,9 @@
 (``EngineService``, no HTTP): TTFT of recompute, device hit and host hit (``kvtier bench
 ttft``'s run over vLLM's prompt ids), generated tokens/s at each concurrency level and the
 decode inter-token latency, with ``engine.deterministic`` off or on; and where its GPU memory
-went (``gpu_memory``: weights, page pool, the rest at the throughput runs' peak). The main thread of the
-child process (``engine_vs_vllm.py --case kvtier``) runs it; the engine runs on its own
-thread, as in ``kvtier serve``.
+went (``gpu_memory``: weights, page pool, the rest at the throughput runs' peak). The main
+thread of the child process (``engine_vs_vllm.py --case kvtier``) runs it; the engine runs on
+its own thread, as in ``kvtier serve``.
 
 Imports ``batching_gpu`` (``benchmarks/serve``) and ``vllm_gpu_case`` (``benchmarks/vllm``):
 ``engine_vs_vllm.py`` puts both folders on ``sys.path``.
