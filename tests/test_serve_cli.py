@@ -91,3 +91,27 @@ def test_banner_says_how_to_get_the_openai_client_and_sends_a_prompt_longer_than
     assert "pip install openai" in banner and DEMO_PROMPT in banner
     tokenizer = AutoTokenizer.from_pretrained(resolve_model("tiny-llama").tokenizer_dir)
     assert len(encode_prompt(tokenizer, DEMO_PROMPT)) > 64  # a whole default page is cached
+
+
+def test_serve_loads_the_model_with_every_engine_setting(monkeypatch):
+    """``engine.deterministic`` and ``engine.prefill_attention`` reach the model ``kvtier
+    serve`` loads (the model decides its kernels at load)."""
+    from kvtier.engine import hf
+    from kvtier.serve import lifecycle
+
+    seen = {}
+
+    class Loaded(Exception):
+        pass
+
+    def load_model(model, **kwargs):
+        seen.update(kwargs, model=model)
+        raise Loaded
+
+    monkeypatch.setattr(hf, "load_model", load_model)
+    config = build_config(env={}, flags={"server.port": "0", "engine.deterministic": "true",
+                                         "engine.prefill_attention": "triton"})
+    with pytest.raises(Loaded):
+        lifecycle.serve(config)
+    assert seen["deterministic"] == "true" and seen["prefill_attention"] == "triton"
+    assert seen["model"] == config.engine.model

@@ -174,6 +174,8 @@ def parent_main(args: argparse.Namespace) -> None:
               + ", ".join(f"{c}={'ok' if d.get('ok') else 'FAILED: ' + str(d.get('error'))[:120]}"
                           for c, d in cases.items()))
     for c, d in cases.items():
+        if d.get("prefill_attention"):
+            header += f"\n  {c}: prompt attention {d['prefill_attention']}"
         for where, message in sub_errors(d):
             header += f"\n  {c}: {where} failed: {message[:200]}"
     print("\n" + header + "\n\n" + text)

@@ -41,8 +41,10 @@ def kvtier_case(args: argparse.Namespace, deterministic: bool = False) -> dict[s
 
         paged_triton.GPU_DESCRIPTORS = True
     started = time.perf_counter()
-    lm = load_model(args.preset, device=args.device, dtype=args.dtype, deterministic=deterministic)
+    lm = load_model(args.preset, device=args.device, dtype=args.dtype, deterministic=deterministic,
+                    prefill_attention=args.kvtier_set.get("engine.prefill_attention", "auto"))
     res["load_s"] = round(time.perf_counter() - started, 1)
+    res["prefill_attention"] = lm.paged_backend
     host_pool = f"{int(args.offload_gib)}GiB"
     pinned = f"{2 * int(args.offload_gib) + 4}GiB"   # two TTFT services hold a host pool each
     flags = {"engine.model": args.preset, "engine.device": args.device, "engine.dtype": args.dtype,

@@ -276,7 +276,8 @@ def run_ttft(config: KvtierConfig, *, tiers: Sequence[str], prefix_tokens: Seque
         lm = load_model(config.engine.model, device=config.engine.device,
                         dtype=config.engine.dtype, seed=config.engine.seed,
                         attention=config.engine.attention,
-                        deterministic=config.engine.deterministic)
+                        deterministic=config.engine.deterministic,
+                        prefill_attention=config.engine.prefill_attention)
         bench = TtftRun(config, lm, plan)
         bar = _progress(bench.steps(), progress)
         if bar is not None:

@@ -113,7 +113,7 @@ class StaticDecode:
     def attend(self, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """``query`` ``[1, heads, bucket, dim]`` over each row's pages: ``[1, bucket, heads, dim]``."""
         q = query[0].transpose(0, 1)
-        if self.backend == "triton":
+        if self.backend in paged.KERNEL_BACKENDS:
             from kvtier.engine import paged_split
 
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -147,7 +147,7 @@ class DecodeGraphs:
             raise ValueError(f"decode graphs need a batch of at least 1, got {max_batch}")
         self.lm, self.max_batch, self._scratch_source = lm, max_batch, scratch_page
         self.capture = lm.device.type == "cuda" if capture is None else capture
-        self.backend = backend or paged.backend_for(lm.device)
+        self.backend = backend or paged.backend_of(lm)
         self._entries: dict[tuple[int, int], tuple[StaticDecode, Callable[[], None]]] = {}
         self._scratch: int | None = None
         self._pool: Any = None          # the graphs' shared memory pool

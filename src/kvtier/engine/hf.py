@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,8 @@ from kvtier.engine import kv_pages
 from kvtier.engine.presets import ModelSource, resolve_model
 from kvtier.errors import ConfigError
 from kvtier.layout import KVLayout
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SAMPLE = 64  # elements taken from each end of every weight for the fingerprint
@@ -67,6 +70,10 @@ class CausalLM:
     eos_token_ids: tuple[int, ...]
     cache_arg: str = "cache"
     deterministic: bool = False     # kvtier.engine.invariant's kernels serve every forward
+    #: The paged forwards' kernels (``paged.backend_of``: torch, triton or fa3); None: chosen
+    #: on first use with ``engine.prefill_attention`` auto.
+    paged_backend: str | None = None
+    paged_backend_why: str = ""
 
     @property
     def config(self) -> Any:
@@ -121,7 +128,8 @@ class CausalLM:
 
 
 def load_model(model: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
-               attention: str = "kvtier", deterministic: bool | str = False) -> CausalLM:
+               attention: str = "kvtier", deterministic: bool | str = False,
+               prefill_attention: str = "auto") -> CausalLM:
     """Build a preset (random weights from ``seed``) or load a model directory onto ``device``.
     ``attention="kvtier"`` installs ``kvtier.engine.attention`` (split-KV kernels for short
     suffixes over a long past on CUDA; transformers' sdpa for everything else) and, on CUDA,
@@ -129,7 +137,10 @@ def load_model(model: str, *, device: str = "auto", dtype: str = "auto", seed: i
     gate/up as one GEMM each) for every forward (the captured hit path runs them: the prefill
     must too).
     ``deterministic`` (a bool, or ``engine.deterministic``'s auto/true/false) installs
-    ``kvtier.engine.invariant`` (batch-invariant kernels, the fused projections among them)."""
+    ``kvtier.engine.invariant`` (batch-invariant kernels, the fused projections among them).
+    ``prefill_attention`` (``engine.prefill_attention``) picks the paged forwards' prompt
+    attention on CUDA: FlashAttention 3 where ``auto`` finds it fit, else the Triton kernels
+    (``paged.backend_of``); logged once."""
     source = resolve_model(model)
     device = resolve_device(device)
     deterministic = resolve_deterministic(deterministic, device)
@@ -155,8 +166,12 @@ def load_model(model: str, *, device: str = "auto", dtype: str = "auto", seed: i
     paged.install(hf_model)  # many sequences in one forward over the device pool's pages
     tokenizer = load_tokenizer(source)
     fingerprint = model_fingerprint(hf_model, seed if source.is_preset else None)
-    return CausalLM(source.name, hf_model, tokenizer, torch.device(device), dtype, fingerprint,
-                    _eos_ids(hf_model.config, tokenizer), _cache_arg(hf_model), deterministic)
+    lm = CausalLM(source.name, hf_model, tokenizer, torch.device(device), dtype, fingerprint,
+                  _eos_ids(hf_model.config, tokenizer), _cache_arg(hf_model), deterministic)
+    backend = paged.backend_of(lm, prefill_attention)
+    if lm.device.type == "cuda":
+        log.info("prefill attention: %s (%s)", backend, lm.paged_backend_why)
+    return lm
 
 
 def _cache_arg(model: Any) -> str:

@@ -10,11 +10,12 @@ How the model is driven: ``install`` registers an attention function with transf
 and values into the pool at their slots (``index_copy_``), then attends each row's queries over
 that row's pages: a plain PyTorch path (slots gathered per layer into a transient tensor, then
 ``scaled_dot_product_attention``) on the CPU, a Triton kernel that reads the pages in place on
-CUDA (``kvtier.engine.paged_triton``). The model itself sees no cache (``use_cache=False``):
-position ids carry each token's position, and a 4-D placeholder mask makes transformers skip
-building a mask over the packed tokens. Outside ``forward_batch`` the previous attention
-(transformers' sdpa, or kvtier's split-KV kernels on CUDA) runs unchanged, so the per-sequence
-paths (``PrefixCache.prefill``, the captured suffix forwards) keep working.
+CUDA (``kvtier.engine.paged_triton``; the prompt rows through FlashAttention 3 where
+``backend_of`` picks it, ``kvtier.engine.paged_fa3``). The model itself sees no cache
+(``use_cache=False``): position ids carry each token's position, and a 4-D placeholder mask
+makes transformers skip building a mask over the packed tokens. Outside ``forward_batch`` the
+previous attention (transformers' sdpa, or kvtier's split-KV kernels on CUDA) runs unchanged,
+so the per-sequence paths (``PrefixCache.prefill``, the captured suffix forwards) keep working.
 
 A row whose pages are still arriving from the host tier carries the copy's ticket: before a
 layer is read, the current stream waits on the device for that layer's copy only, so loading a
@@ -33,6 +34,8 @@ import torch
 import torch.nn.functional as F
 
 NAME = "kvtier_paged"
+#: Backends whose kernels read the pool's pages in place on CUDA (``backend_of``).
+KERNEL_BACKENDS = ("triton", "fa3")
 
 _BATCH: contextvars.ContextVar[PagedBatch | None] = contextvars.ContextVar(
     "kvtier_paged_batch", default=None)
@@ -81,11 +84,11 @@ class PagedBatch:
         self.triton = None
         if backend == "torch":
             self._decodes_as_one(device)
-        if backend == "triton":
+        if backend in KERNEL_BACKENDS:
             from kvtier.engine import paged_triton
 
             self.triton = paged_triton.TritonBatch.build(self.rows, self.q_starts, page_size,
-                                                         device)
+                                                         device, fa3=backend == "fa3")
 
     def _decodes_as_one(self, device: torch.device) -> None:
         """Rows of one new token attend in one call: their slots padded to the longest row,
@@ -178,6 +181,23 @@ def backend_for(device: torch.device) -> str:
     return "triton" if device.type == "cuda" else "torch"
 
 
+def backend_of(lm: Any, setting: str = "auto") -> str:
+    """The kernels ``lm``'s paged forwards run: ``torch`` off CUDA; on CUDA ``fa3`` (prompt
+    rows through FlashAttention 3, ``paged_fa3.choose``) or ``triton``. Chosen once per model
+    (``hf.load_model`` from ``engine.prefill_attention``; ``auto`` for a model built
+    elsewhere) and kept on it, so every path of one engine (batched steps, captured suffix
+    steps) computes a prompt with the same kernels."""
+    backend = getattr(lm, "paged_backend", None)
+    if backend is None:
+        from kvtier.engine import paged_fa3
+
+        backend, why = paged_fa3.choose(setting, lm.device, lm.dtype, lm.head_dim,
+                                        bool(getattr(lm, "deterministic", False)))
+        lm.paged_backend = backend
+        lm.paged_backend_why = why
+    return str(backend)
+
+
 @torch.inference_mode()
 def forward_batch(lm: Any, rows: Sequence[BatchRow], pool: torch.Tensor,
                   backend: str | None = None) -> torch.Tensor:
@@ -186,7 +206,7 @@ def forward_batch(lm: Any, rows: Sequence[BatchRow], pool: torch.Tensor,
     if not rows or any(not row.tokens for row in rows):
         raise ValueError("every row of a batch needs at least one new token")
     ensure_installed(lm.model)
-    batch = PagedBatch(rows, pool, backend or backend_for(lm.device))
+    batch = PagedBatch(rows, pool, backend or backend_of(lm))
     ids = [t for row in rows for t in row.tokens]
     positions = [p for row in rows for p in range(row.start, row.end)]
     device = lm.device

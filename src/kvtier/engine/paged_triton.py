@@ -179,7 +179,7 @@ class TritonBatch:
     """Page tables and query tiles of one step as device tensors (built once per step)."""
 
     def __init__(self, rows: Sequence[Any], q_starts: Sequence[int], page_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, fa3: bool = False) -> None:
         self.rows, self.q_starts = list(rows), list(q_starts)
         self.page_size, self.device = page_size, device
         width = max(len(row.pages) for row in self.rows)
@@ -192,11 +192,17 @@ class TritonBatch:
                    in enumerate(zip(self.rows, self.q_starts, strict=True)) if len(row.tokens) == 1]
         self.decodes = torch.as_tensor(decodes, dtype=torch.int32).reshape(-1, 3).to(device)
         self.n_splits = paged_split.splits_for(max((d[2] for d in decodes), default=1))
+        self.fa3 = None   # the prompt rows' FA3 segments (``paged_fa3``), or None: this kernel
+        if fa3:
+            from kvtier.engine import paged_fa3
+
+            total = sum(len(row.tokens) for row in self.rows)
+            self.fa3 = paged_fa3.Fa3Rows(self.rows, self.q_starts, total, self.table)
 
     @classmethod
     def build(cls, rows: Sequence[Any], q_starts: Sequence[int], page_size: int,
-              device: torch.device) -> TritonBatch:
-        return cls(rows, q_starts, page_size, device)
+              device: torch.device, fa3: bool = False) -> TritonBatch:
+        return cls(rows, q_starts, page_size, device, fa3)
 
     def blocks(self, n_rep: int) -> tuple[torch.Tensor, int]:
         """``[tiles, 4]`` int32 (sequence, first query, queries, first position) and the
@@ -219,9 +225,20 @@ class TritonBatch:
     def attend(self, query: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor,
                scaling: float) -> torch.Tensor:
         """``query`` ``[T, heads, dim]`` over pages ``[pages, page_size, kv_heads, dim]``
-        (contiguous); returns ``[T, heads, dim]``."""
-        blocks, longest = self.blocks(query.shape[1] // key_pages.shape[2])
+        (contiguous); returns ``[T, heads, dim]``. Prompt rows through FA3 where the batch
+        was built for it (decode rows get zeros there, then the split-KV kernel's result)."""
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        if self.fa3 is not None:
+            if self.fa3.any:
+                from kvtier.engine import paged_fa3
+
+                rows = self.fa3
+                paged_fa3.attend(query, key_pages, value_pages, rows.table, rows.cu_q,
+                                 rows.seqused, rows.max_q, rows.max_k, scaling, out)
+            paged_split.split_decode(query, key_pages, value_pages, self.table, self.decodes,
+                                     scaling, self.n_splits, out)
+            return out
+        blocks, longest = self.blocks(query.shape[1] // key_pages.shape[2])
         if blocks.shape[0]:
             paged_attention(query, key_pages, value_pages, self.table, blocks, scaling, longest,
                             out)

@@ -57,17 +57,20 @@ class EngineService:
         lm = lm or load_model(config.engine.model, device=config.engine.device,
                               dtype=config.engine.dtype, seed=config.engine.seed,
                               attention=config.engine.attention,
-                              deterministic=config.engine.deterministic)
+                              deterministic=config.engine.deterministic,
+                              prefill_attention=config.engine.prefill_attention)
         prefix_cache = None
         if config.cache.enabled:
             from kvtier.engine.prefix import PrefixCache
 
             prefix_cache = PrefixCache.build(config, lm, split=split, graphs=False)
-        log.info("engine ready: model %s on %s (%s), cache %s, %s", lm.name, lm.device,
-                 lm.dtype_name, "on" if prefix_cache else "off",
+        from kvtier.engine import paged
+
+        log.info("engine ready: model %s on %s (%s), cache %s, %s, prompt attention %s",
+                 lm.name, lm.device, lm.dtype_name, "on" if prefix_cache else "off",
                  "deterministic kernels (hits bit-identical to a recompute)" if lm.deterministic
                  else "library kernels (engine.deterministic off: a hit's logits may differ "
-                      "from a recompute's in the last bits)")
+                      "from a recompute's in the last bits)", paged.backend_of(lm))
         return cls(config, lm, prefix_cache, max_running=max_running)
 
     @property

@@ -9,7 +9,8 @@ rotary, one per decoder layer, one for the last position's logits.
 
 The graphs compute exactly what the batched step computes: each layer writes the new tokens' KV
 into the row's own pages and attends them with the same paged kernels over the device pool
-(``paged_triton``, or its split launch: the same bits), so a hit's first token does not depend
+(``paged_triton``, or its split launch: the same bits; FA3 where the engine's prompts run
+through it, ``paged_fa3``), so a hit's first token does not depend
 on whether its step was captured (parity with a no-cache run, measured in
 ``benchmarks/serve/serve_parity.py``). Between layer replays the current stream waits on the device
 for that layer's host copy only (a host hit still crossing the bus), so loading keeps
@@ -77,6 +78,9 @@ class StaticSuffix:
         self.blocks = torch.zeros((-(-bucket // self.per_block), 4), dtype=torch.int32,
                                   device=device)
         self.last = torch.zeros(1, dtype=torch.long, device=device)
+        # FA3's segment (``paged_fa3``): the real tokens' queries, the keys the row sees
+        self.cu_q = torch.zeros(2, dtype=torch.int32, device=device)
+        self.seqused = torch.zeros(1, dtype=torch.int32, device=device)
         self.hidden = torch.zeros((1, bucket, config.hidden_size), dtype=lm.dtype, device=device)
         self.out = torch.zeros((bucket, config.num_attention_heads, int(pool.shape[5])),
                                dtype=lm.dtype, device=device)
@@ -104,9 +108,11 @@ class StaticSuffix:
                               (count - offsets).clamp(0, self.per_block), start + offsets], 1)
         positions = torch.arange(start, start + bucket, dtype=torch.long)
         last = torch.tensor([max(count - 1, 0)], dtype=torch.long)
+        cu_q = torch.tensor([0, count], dtype=torch.int32)
+        seqused = torch.tensor([start + count], dtype=torch.int32)
         for static, host in ((self.ids[0], ids), (self.positions[0], positions),
                              (self.slots, slots), (self.table, table), (self.blocks, blocks),
-                             (self.last, last)):
+                             (self.last, last), (self.cu_q, cu_q), (self.seqused, seqused)):
             static.copy_(host)
 
     # ---- what the paged attention calls (as on a ``PagedBatch``) ---------------------------
@@ -119,6 +125,13 @@ class StaticSuffix:
     def attend(self, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """``query`` ``[1, heads, bucket, dim]`` over the row's pages: ``[1, bucket, heads, dim]``."""
         q = query[0].transpose(0, 1)
+        if self.backend == "fa3":   # the real tokens' rows; padding rows keep what they held
+            from kvtier.engine import paged_fa3
+
+            paged_fa3.attend(q, self.pool[layer, 0], self.pool[layer, 1], self.table, self.cu_q,
+                             self.seqused, self.bucket, self.width * self.page_size, scaling,
+                             self.out)
+            return self.out.unsqueeze(0)
         if self.backend == "triton":
             from kvtier.engine import paged_prefill_split, paged_triton
 
@@ -158,7 +171,7 @@ class SuffixStep:
                              f"tokens, got {capacity_tokens}")
         self.lm, self.capacity, self._scratch_source = lm, capacity_tokens, scratch_page
         self.capture = lm.device.type == "cuda" if capture is None else capture
-        self.backend = backend or paged.backend_for(lm.device)
+        self.backend = backend or paged.backend_of(lm)
         self._entries: dict[int, tuple[StaticSuffix, list[Callable[[], None]]]] = {}
         self._scratch: int | None = None
         self._parts: Any = None         # split partials shared by the split buckets

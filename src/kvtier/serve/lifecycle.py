@@ -102,7 +102,8 @@ def _serve(config: KvtierConfig, explicit: set[str] | None,
     try:
         engine = config.engine
         lm = load_model(engine.model, device=engine.device, dtype=engine.dtype, seed=engine.seed,
-                        attention=engine.attention)
+                        attention=engine.attention, deterministic=engine.deterministic,
+                        prefill_attention=engine.prefill_attention)
         if config.server.max_model_len > lm.max_positions:
             raise ConfigError(setting_name("server.max_model_len"), config.server.max_model_len,
                               f"at most the model's {lm.max_positions} positions")
