@@ -45,15 +45,11 @@ class EngineConfig:
     attention: str = opt("kvtier", "Attention kernels: kvtier (split-KV Triton kernels for a "
                          "few new tokens over a long past on CUDA, sdpa otherwise) or sdpa.",
                          choices=("kvtier", "sdpa"))
-    prefill_attention: str = opt("auto", "Attention of prompts in the server's paged forwards "
-                                 "on CUDA: fa3 (FlashAttention 3 from vLLM's wheel, "
-                                 "vllm.vllm_flash_attn: Hopper, bf16/fp16, outside "
-                                 "engine.deterministic), triton (kvtier's own kernels) or auto "
-                                 "(fa3 where it can serve: head_dim 128, the only one measured to "
-                                 "keep a hit's bits; triton otherwise). On an H100, 8B shape: "
-                                 "32k-token recompute 1.24 s with fa3 against 1.43 s with triton, "
-                                 "a 32k device hit 22.5 against 13.6 ms (fa3 runs a short suffix "
-                                 "unsplit); hits give a recompute's tokens with either.",
+    prefill_attention: str = opt("auto", "Prompt attention of the paged forwards on CUDA: fa3 "
+                                 "(FlashAttention 3 from vLLM's wheel; Hopper, bf16/fp16, "
+                                 "head_dim 128, not engine.deterministic), triton (kvtier's) or "
+                                 "auto (fa3 where it fits). H100, 8B: 32k recompute 1.24 vs "
+                                 "1.43 s, 32k device hit 22.5 vs 13.6 ms (fa3 vs triton).",
                                  choices=("auto", "triton", "fa3"))
     graph_tokens: int = opt(8192, "0 turns off the captured (CUDA graph) forwards of a hit's "
                             "suffix. The server's engine captures them over its paged pool "

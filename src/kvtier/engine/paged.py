@@ -176,11 +176,6 @@ def batch_context(batch: PagedBatch) -> Iterator[None]:
         _BATCH.reset(token)
 
 
-def backend_for(device: torch.device) -> str:
-    """``triton`` on CUDA (kernels read the pages in place), ``torch`` elsewhere."""
-    return "triton" if device.type == "cuda" else "torch"
-
-
 def backend_of(lm: Any, setting: str = "auto") -> str:
     """The kernels ``lm``'s paged forwards run: ``torch`` off CUDA; on CUDA ``fa3`` (prompt
     rows through FlashAttention 3, ``paged_fa3.choose``) or ``triton``. Chosen once per model

@@ -2,7 +2,7 @@
 
 Owns ``choose`` (which kernels read the pool in a forward: ``engine.prefill_attention``
 resolved against the GPU, the dtype, the model and what is importable), ``Fa3Rows`` (one
-step's FA3 arguments: a segment per row, the page table, each row's keys) and ``attend``
+step's FA3 arguments: a segment per row and the keys it sees) and ``attend``
 (one FA3 launch over the device pool's pages, ``[pages, page_size, kv_heads, head_dim]``,
 read in place as FA3's paged key/value cache).
 
@@ -135,13 +135,12 @@ def _refused(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | N
 class Fa3Rows:
     """One step's rows as FA3 segments: ``cu_q`` (each row's first query in the packed
     tokens, then the total), ``seqused`` (the keys each row sees: its end, 0 for a decode
-    row), the page table, the longest row's queries and keys."""
+    row), the longest row's queries and keys (the page table is the batch's)."""
 
-    def __init__(self, rows: Sequence[Any], q_starts: Sequence[int], total: int,
-                 table: torch.Tensor) -> None:
+    def __init__(self, rows: Sequence[Any], q_starts: Sequence[int],
+                 device: torch.device) -> None:
         prompt = [row for row in rows if len(row.tokens) > 1]
-        device = table.device
-        self.table = table
+        total = sum(len(row.tokens) for row in rows)
         self.cu_q = torch.as_tensor([*q_starts, total], dtype=torch.int32).to(device)
         self.seqused = torch.as_tensor([row.end if len(row.tokens) > 1 else 0 for row in rows],
                                        dtype=torch.int32).to(device)

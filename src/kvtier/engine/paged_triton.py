@@ -196,8 +196,7 @@ class TritonBatch:
         if fa3:
             from kvtier.engine import paged_fa3
 
-            total = sum(len(row.tokens) for row in self.rows)
-            self.fa3 = paged_fa3.Fa3Rows(self.rows, self.q_starts, total, self.table)
+            self.fa3 = paged_fa3.Fa3Rows(self.rows, self.q_starts, device)
 
     @classmethod
     def build(cls, rows: Sequence[Any], q_starts: Sequence[int], page_size: int,
@@ -233,15 +232,13 @@ class TritonBatch:
                 from kvtier.engine import paged_fa3
 
                 rows = self.fa3
-                paged_fa3.attend(query, key_pages, value_pages, rows.table, rows.cu_q,
+                paged_fa3.attend(query, key_pages, value_pages, self.table, rows.cu_q,
                                  rows.seqused, rows.max_q, rows.max_k, scaling, out)
-            paged_split.split_decode(query, key_pages, value_pages, self.table, self.decodes,
-                                     scaling, self.n_splits, out)
-            return out
-        blocks, longest = self.blocks(query.shape[1] // key_pages.shape[2])
-        if blocks.shape[0]:
-            paged_attention(query, key_pages, value_pages, self.table, blocks, scaling, longest,
-                            out)
+        else:
+            blocks, longest = self.blocks(query.shape[1] // key_pages.shape[2])
+            if blocks.shape[0]:
+                paged_attention(query, key_pages, value_pages, self.table, blocks, scaling,
+                                longest, out)
         paged_split.split_decode(query, key_pages, value_pages, self.table, self.decodes,
                                  scaling, self.n_splits, out)
         return out
