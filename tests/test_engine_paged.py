@@ -143,3 +143,29 @@ def test_a_row_still_loading_waits_for_each_layer_before_reading_it(monkeypatch)
     assert ticket.waits == list(range(lm.config.num_hidden_layers))
     assert all(layer in seen and layer + 1 not in seen for layer, seen in reads)
     torch.testing.assert_close(got[0], _reference(lm, prompt + [5])[-1], rtol=0, atol=1e-5)
+
+
+def test_a_prompts_last_token_stepped_alone_attends_as_a_prompt_row(monkeypatch):
+    """A prompt's last token computed alone (after a chunk or a hit) takes the prompt kernels,
+    as in the whole prompt; only generated tokens are decodes."""
+    from kvtier.engine.request import GenerationRequest
+    from kvtier.engine.service import EngineService
+    from test_engine_support import make_config
+
+    seen: list[tuple[int, int, bool, bool]] = []
+    original = paged.forward_batch
+
+    def spy(lm, rows, pool, *args, **kwargs):
+        seen.extend((row.start, len(row.tokens), row.prompt, row.decode) for row in rows)
+        return original(lm, rows, pool, *args, **kwargs)
+
+    monkeypatch.setattr(paged, "forward_batch", spy)
+    config = make_config(**{"engine.prefill_chunk_tokens": 8, "cache.enabled": "false"})
+    service = EngineService.build(config, lm=tiny_lm(), max_running=2)
+    try:
+        service.generate(GenerationRequest(tuple(range(20, 29)), 3), timeout=120)
+    finally:
+        service.close()
+    assert seen[:2] == [(0, 8, True, False), (8, 1, True, False)]     # 9 tokens, chunks of 8
+    assert seen[2:] == [(9, 1, False, True), (10, 1, False, True)]    # the generated ones
+    assert paged.BatchRow([0], 3, [7]).decode                         # the default: a decode

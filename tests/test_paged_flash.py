@@ -7,14 +7,12 @@ it gets alone."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 paged_triton = pytest.importorskip("kvtier.engine.paged_triton")
-from kvtier.engine import paged_prefill_split, paged_tiles  # noqa: E402
+from kvtier.engine import paged, paged_prefill_split, paged_tiles  # noqa: E402
 
 DIM, SCALE = 16, 0.25
 BLOCK = paged_tiles.BLOCK_N
@@ -203,8 +201,7 @@ def test_a_ragged_step_of_prompts_chunks_and_decodes():
     rows, used = [], 0
     for start, new in spans:
         count = -(-(start + new) // page)
-        rows.append(SimpleNamespace(pages=order[used:used + count], start=start,
-                                    tokens=list(range(new)), end=start + new))
+        rows.append(paged.BatchRow(order[used:used + count], start, list(range(new))))
         used += count
     q_starts = [sum(n for _, n in spans[:i]) for i in range(len(spans))]
     query = _query(sum(n for _, n in spans), kv_heads * n_rep, seed=8)

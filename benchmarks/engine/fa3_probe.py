@@ -7,7 +7,9 @@ suffix of 1 .. 1000 tokens (at the end and in the middle of a 32k prompt), in a 
 decode or a chunk of another row, and replayed from a CUDA graph at other lengths: each must
 give the whole prompt's bits (``True, 0.0``: equal, largest difference). Then other shapes
 (head_dim 32 / 64 / 128, GQA 2 / 4 / 7, pages of 1 to 256 tokens, fp16) and the time of one
-4k and 32k layer (FA3, then the Triton kernel) and of a suffix over 32k keys. Prints a list
+4k and 32k layer (FA3, then the Triton kernel) and of a suffix over 32k keys. kvtier's own
+plan (``paged_fa3_plan``: keys cut at fixed positions, segments merged) is checked and timed
+the same way (``FA3_PROBE_PLAN_ONLY=1`` skips the Triton and unsplit timings). Prints a list
 and writes ``fa3_probe.json`` (with the machine's facts) under ``--out``. Needs a Hopper GPU
 and vLLM with FA3 (``../shared/tools/vllm-gpu``'s kit). Main thread::
 
@@ -146,6 +148,36 @@ def timings(q, kp, vp, table, checks: dict[str, Any], times: dict[str, float]) -
             lambda n=n: piece(shape, q, kp, vp, table, length - n, length))
 
 
+def segmented(q, kp, vp, table, checks: dict[str, Any], times: dict[str, float]) -> None:
+    """kvtier's FA3 plan (keys cut every ``paged_fa3_plan.segment_for`` positions, segments
+    merged): the same bits whole, in steps and as suffixes; how far from one unsplit launch;
+    the time of a 32k prompt's two 16k steps and of a 17-token suffix over 32k keys."""
+    from kvtier.engine import paged, paged_triton
+
+    shape, length, page = Shape(), q.shape[0], kp.shape[1]
+    pages = table[0].tolist()
+
+    def run(a: int, b: int) -> torch.Tensor:
+        batch = paged_triton.TritonBatch([paged.BatchRow(pages, a, [0] * (b - a), prompt=True)],
+                                         [0], page, torch.device(DEV), fa3=True)
+        return batch.attend(q[a:b], kp, vp, shape.scale)
+
+    whole = run(0, length)
+    checks["plan whole vs one unsplit launch (max diff)"] = same(
+        whole, piece(shape, q, kp, vp, table, 0, length))
+    for step in (16384, 5000):
+        outs = [run(a, min(a + step, length)) for a in range(0, length, step)]
+        checks[f"plan steps {step} == plan whole"] = same(torch.cat(outs), whole)
+    for n in (1, 17, 300):
+        for end in (length, 20000, 8192 + 5):
+            checks[f"plan suffix {n} ending {end} == plan whole"] = same(run(end - n, end),
+                                                                         whole[end - n:end])
+    for a, b in ((0, 16384), (16384, length), (length - 17, length)):
+        times[f"plan fa3 tokens {a}..{b}"] = timeit(lambda a=a, b=b: run(a, b))
+        times[f"unsplit fa3 tokens {a}..{b}"] = timeit(
+            lambda a=a, b=b: piece(shape, q, kp, vp, table, a, b))
+
+
 def shape_check(shape: Shape, page: int, length: int) -> dict[str, Any]:
     """Whole against 1000-token steps and suffixes of 1, 9, 77 and 300 tokens."""
     try:
@@ -174,7 +206,9 @@ def main() -> None:
         shape, q, kp, vp, table, whole = checks_32k(page, checks)
         if page == 64:
             graph_checks(shape, q, kp, vp, table, whole, checks)
-            timings(q, kp, vp, table, checks, times)
+            segmented(q, kp, vp, table, checks, times)
+            if not os.environ.get("FA3_PROBE_PLAN_ONLY"):
+                timings(q, kp, vp, table, checks, times)
         del q, kp, vp, whole
     for heads, kv_heads, dim, page, length, dtype in (
             (4, 2, 32, 16, 3000, torch.bfloat16), (4, 2, 64, 16, 3000, torch.bfloat16),

@@ -159,7 +159,7 @@ class DecodeGraphs:
 
     def key_for(self, rows: Sequence[paged.BatchRow], page_size: int) -> tuple[int, int] | None:
         """(bucket, width) serving ``rows``, or None (counted) if a graph cannot."""
-        if any(len(row.tokens) != 1 for row in rows):
+        if any(not row.decode for row in rows):
             return None   # prefill in the step: eager, not a fallback
         if any(row.ticket is not None for row in rows):
             self.fallbacks["loading"] += 1

@@ -51,10 +51,19 @@ class BatchRow:
     start: int
     tokens: Sequence[int]
     ticket: Any = None   # a per-layer host -> device copy still in flight into ``pages``
+    #: The tokens are the prompt's own: one alone (a prompt's last token after a hit or a
+    #: chunk) still attends as a prompt row, with the kernels that compute it in a whole
+    #: prompt, not as a decode.
+    prompt: bool = False
 
     @property
     def end(self) -> int:
         return self.start + len(self.tokens)
+
+    @property
+    def decode(self) -> bool:
+        """One generated token: the split-KV decode kernels serve it."""
+        return len(self.tokens) == 1 and not self.prompt
 
 
 class PagedBatch:
@@ -93,7 +102,7 @@ class PagedBatch:
     def _decodes_as_one(self, device: torch.device) -> None:
         """Rows of one new token attend in one call: their slots padded to the longest row,
         the padding masked out. Longer rows (prefill chunks) go one by one."""
-        decodes = [i for i, row in enumerate(self.rows) if len(row.tokens) == 1]
+        decodes = [i for i, row in enumerate(self.rows) if row.decode]
         self.singles = [i for i in range(len(self.rows)) if i not in set(decodes)]
         self.decode_queries = torch.as_tensor([self.q_starts[i] for i in decodes],
                                               dtype=torch.long, device=device)

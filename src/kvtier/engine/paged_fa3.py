@@ -1,10 +1,10 @@
 """FlashAttention 3 over the device pool's pages: the prefill attention on Hopper where it is installed.
 
 Owns ``choose`` (which kernels read the pool in a forward: ``engine.prefill_attention``
-resolved against the GPU, the dtype, the model and what is importable), ``Fa3Rows`` (one
-step's FA3 arguments: a segment per row and the keys it sees) and ``attend``
-(one FA3 launch over the device pool's pages, ``[pages, page_size, kv_heads, head_dim]``,
-read in place as FA3's paged key/value cache).
+resolved against the GPU, the dtype, the model and what is importable), ``launch`` (one FA3
+launch over the device pool's pages, ``[pages, page_size, kv_heads, head_dim]``, read in place
+as FA3's paged key/value cache) and ``attend`` (a step's prompt rows as its plan,
+``paged_fa3_plan``, lays them out: a causal launch, the full key segments' launches, the merge).
 
 Why: at 32k tokens the prefill is attention-bound. FA3, which vLLM runs on Hopper, computes a
 32k causal layer of an 8B model over kvtier's pool in 13.3 ms on an H100 where kvtier's Triton
@@ -16,24 +16,22 @@ dimensions other than 128 or in the deterministic mode the Triton kernels serve
 
 The numerics contract (a hit's tokens are a recompute's) holds when every prefill-shaped
 attention of the engine runs here: the batched steps' prompt rows (``paged.PagedBatch``) and
-the captured steps of a hit's suffix (``suffix_step``). FA3 is called without splitting a
-row's keys (``num_splits=1``): each query row then sums its keys in fixed blocks counted from
-key 0, from its own last block down, whatever tile the row sits in, whatever else the launch
-holds and however the prompt was cut into steps. That was measured, not assumed, on an H100
-(``tests/test_paged_fa3_gpu.py``: a prompt whole, in steps and as a suffix give the same bits,
-alone, beside other rows and from a graph, at head_dim 128, pages of 1 to 256 tokens, GQA 4
-and 7, bf16 and fp16); at head_dim 64 it did not hold (``HEAD_DIMS``). The cost: a hit's
-short suffix over a long past runs on a few programs per KV head (0.43 ms a layer for 17
-tokens over 32k keys): a 32k device hit took 22.5 ms against 13.6 ms with the Triton kernels'
-split launch (``benchmarks/results/engine_vs_vllm_h100_fa3.txt``, ``..._fa3_triton.txt``).
-A row of one new token (a decode) gets an empty key range here (FA3 writes zeros, reading
-nothing) and its attention from the split-KV decode kernel after. Engine thread only.
+the captured steps of a hit's suffix (``suffix_step``). Every launch is unsplit
+(``num_splits=1``): each query row then sums an entry's keys in fixed blocks counted from the
+entry's first key, whatever tile the row sits in, whatever else the launch holds. That was
+measured, not assumed, on an H100 (``tests/test_paged_fa3_gpu.py``: the same bits whole, in
+steps, as a suffix, beside other rows and from a graph, at head_dim 128, pages of 1 to 256
+tokens, GQA 4 and 7, bf16 and fp16); at head_dim 64 it did not hold (``HEAD_DIMS``). The
+entries themselves are cut at fixed key positions (``paged_fa3_plan``), so what a row computes
+depends on its position only, and a hit's short suffix over a long past still runs on many
+programs. A row of one new token (a decode) gets an empty entry here (FA3 writes zeros,
+reading nothing) and its attention from the split-KV decode kernel after. Engine thread only.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -49,6 +47,10 @@ CHOICES = ("auto", "triton", "fa3")
 HEAD_DIMS = (128,)
 DTYPES = (torch.bfloat16, torch.float16)
 
+#: A one-pass step (a hit's suffix, a short chunk) runs its two launches on two streams: each
+#: holds a few programs per KV head, so side by side they take the time of the longer.
+OVERLAP = True
+_SIDE: dict[int, Any] = {}
 #: FA3's varlen entry once found (False: looked for and missing; None: not looked for yet).
 _KERNEL: Callable[..., Any] | bool | None = None
 #: Why FA3 is missing, once looked for.
@@ -116,49 +118,86 @@ def _unfit(device: torch.device, dtype: torch.dtype, head_dim: int,
     return None
 
 
+class _Row:
+    """A prompt row for the trial launch (``paged.BatchRow``'s fields the plan reads)."""
+
+    def __init__(self, pages: list[int], start: int, count: int) -> None:
+        self.pages, self.start, self.tokens = pages, start, [0] * count
+        self.decode = False
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+
 def _refused(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
     """Why one small launch of this shape fails here (a build without this head_dim or
     GPU), or None: found at load rather than in a request's step."""
     try:
-        pages = torch.zeros((2, 16, 1, head_dim), dtype=dtype, device=device)
-        query = torch.zeros((3, 2, head_dim), dtype=dtype, device=device)
-        as_int = {"dtype": torch.int32, "device": device}
-        attend(query, pages, pages, torch.tensor([[1, 0]], **as_int),
-               torch.tensor([0, 3], **as_int), torch.tensor([20], **as_int), 3, 32,
-               head_dim ** -0.5, torch.empty_like(query))
+        from kvtier.engine import paged_fa3_plan
+
+        page = 16
+        segment = paged_fa3_plan.segment_for(page)
+        pages = torch.zeros((segment // page + 2, page, 1, head_dim), dtype=dtype, device=device)
+        row = _Row(list(range(pages.shape[0])), segment - 2, 4)   # crosses the first cut
+        query = torch.zeros((4, 2, head_dim), dtype=dtype, device=device)
+        plan = paged_fa3_plan.plan_step([row], [0], page, device)
+        attend(query, pages, pages, plan, head_dim ** -0.5, torch.empty_like(query))
         torch.cuda.synchronize(device)
     except Exception as exc:   # any failure of the trial launch: the Triton kernels serve
         return f"a trial FA3 launch failed: {type(exc).__name__}: {exc}".splitlines()[0]
     return None
 
 
-class Fa3Rows:
-    """One step's rows as FA3 segments: ``cu_q`` (each row's first query in the packed
-    tokens, then the total), ``seqused`` (the keys each row sees: its end, 0 for a decode
-    row), the longest row's queries and keys (the page table is the batch's)."""
-
-    def __init__(self, rows: Sequence[Any], q_starts: Sequence[int],
-                 device: torch.device) -> None:
-        prompt = [row for row in rows if len(row.tokens) > 1]
-        total = sum(len(row.tokens) for row in rows)
-        self.cu_q = torch.as_tensor([*q_starts, total], dtype=torch.int32).to(device)
-        self.seqused = torch.as_tensor([row.end if len(row.tokens) > 1 else 0 for row in rows],
-                                       dtype=torch.int32).to(device)
-        self.max_q = max((len(row.tokens) for row in prompt), default=1)
-        self.max_k = max((row.end for row in prompt), default=1)
-        self.any = bool(prompt)
-
-
-def attend(query: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor,
-           table: torch.Tensor, cu_q: torch.Tensor, seqused: torch.Tensor, max_q: int,
-           max_k: int, scaling: float, out: torch.Tensor) -> torch.Tensor:
-    """Causal attention of ``query`` ``[T, heads, dim]`` (segments ``cu_q``; row ``i``'s
-    queries are the last of its ``seqused[i]`` keys) over pages ``[pages, page_size,
-    kv_heads, dim]`` through ``table`` ``[rows, pages]`` int32, into ``out``. ``max_q`` and
-    ``max_k`` bound the rows' queries and keys (a captured launch passes its capacity)."""
+def launch(query: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor,
+           entries: Any, max_k: int, causal: bool, scaling: float,
+           out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One FA3 launch of ``entries`` (``paged_fa3_plan.Launch``) over pages ``[pages,
+    page_size, kv_heads, dim]``: ``query`` ``[T, heads, dim]``; causal aligns an entry's
+    queries with its last keys. Returns (output ``[T, heads, dim]``, log-sum-exp ``[heads, T]``
+    fp32); ``max_k`` bounds an entry's keys."""
     fa3 = kernel()
     if fa3 is None:
         raise RuntimeError(f"FlashAttention 3 is not available: {missing()}")
-    fa3(query, key_pages, value_pages, max_q, cu_q, max_k, seqused_k=seqused,
-        block_table=table, causal=True, softmax_scale=scaling, num_splits=1, out=out)
+    got = fa3(query, key_pages, value_pages, entries.max_q, entries.cu_q, max_k,
+              seqused_k=entries.seqused, block_table=entries.table, causal=causal,
+              softmax_scale=scaling, num_splits=1, out=out, return_softmax_lse=True)
+    return got[0], got[1]
+
+
+def attend(query: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor,
+           plan: Any, scaling: float, out: torch.Tensor) -> torch.Tensor:
+    """A step's prompt rows (``plan``: ``paged_fa3_plan.Plan``) attend over the pages into
+    ``out``: the causal launch over each row's own segment in place, then each pass's
+    full segments over gathered queries, folded into ``out`` (``paged_fa3_merge``)."""
+    from kvtier.engine import paged_fa3_merge
+
+    if len(plan.passes) == 1 and query.is_cuda and OVERLAP:   # a suffix: both launches at once
+        (full,) = plan.passes
+        current = torch.cuda.current_stream(query.device)
+        side = _side_stream(query.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            part, part_lse = launch(query.index_select(0, full.gather), key_pages, value_pages,
+                                    full.launch, plan.segment, False, scaling)
+        _, lse = launch(query, key_pages, value_pages, plan.own, plan.segment, True, scaling,
+                        out)
+        current.wait_stream(side)   # what the side stream allocated is reused there only
+        paged_fa3_merge.merge(out, lse, part, part_lse, full.rows, full.parts, full.counts)
+        return out
+    _, lse = launch(query, key_pages, value_pages, plan.own, plan.segment, True, scaling, out)
+    for full in plan.passes:
+        part, part_lse = launch(query.index_select(0, full.gather), key_pages, value_pages,
+                                full.launch, plan.segment, False, scaling)
+        paged_fa3_merge.merge(out, lse, part, part_lse, full.rows, full.parts, full.counts)
     return out
+
+
+def _side_stream(device: torch.device) -> Any:
+    """The stream the full segments' launch of a one-pass step runs on, beside the causal
+    one (one per device; every use starts by waiting on the current stream)."""
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _SIDE.get(key)
+    if stream is None:
+        stream = _SIDE[key] = torch.cuda.Stream(device)
+    return stream

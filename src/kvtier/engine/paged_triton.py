@@ -189,14 +189,14 @@ class TritonBatch:
         self.table = table.to(device)
         self._blocks: dict[int, tuple[torch.Tensor, int]] = {}
         decodes = [(i, first, row.end) for i, (row, first)
-                   in enumerate(zip(self.rows, self.q_starts, strict=True)) if len(row.tokens) == 1]
+                   in enumerate(zip(self.rows, self.q_starts, strict=True)) if row.decode]
         self.decodes = torch.as_tensor(decodes, dtype=torch.int32).reshape(-1, 3).to(device)
         self.n_splits = paged_split.splits_for(max((d[2] for d in decodes), default=1))
-        self.fa3 = None   # the prompt rows' FA3 segments (``paged_fa3``), or None: this kernel
+        self.fa3 = None   # the prompt rows' FA3 plan (``paged_fa3_plan``), or None: this kernel
         if fa3:
-            from kvtier.engine import paged_fa3
+            from kvtier.engine import paged_fa3_plan
 
-            self.fa3 = paged_fa3.Fa3Rows(self.rows, self.q_starts, device)
+            self.fa3 = paged_fa3_plan.plan_step(self.rows, self.q_starts, page_size, device)
 
     @classmethod
     def build(cls, rows: Sequence[Any], q_starts: Sequence[int], page_size: int,
@@ -212,8 +212,8 @@ class TritonBatch:
         per_block = tokens_per_tile(n_rep)
         out = []
         for i, (row, first) in enumerate(zip(self.rows, self.q_starts, strict=True)):
-            if len(row.tokens) == 1:
-                continue   # a decode row: split-KV
+            if row.decode:
+                continue   # split-KV
             for offset in range(0, len(row.tokens), per_block):
                 count = min(per_block, len(row.tokens) - offset)
                 out.append((i, first + offset, count, row.start + offset))
@@ -231,9 +231,7 @@ class TritonBatch:
             if self.fa3.any:
                 from kvtier.engine import paged_fa3
 
-                rows = self.fa3
-                paged_fa3.attend(query, key_pages, value_pages, self.table, rows.cu_q,
-                                 rows.seqused, rows.max_q, rows.max_k, scaling, out)
+                paged_fa3.attend(query, key_pages, value_pages, self.fa3, scaling, out)
         else:
             blocks, longest = self.blocks(query.shape[1] // key_pages.shape[2])
             if blocks.shape[0]:

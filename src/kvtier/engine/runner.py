@@ -127,7 +127,8 @@ class Engine:
             budget -= count if count > 1 or len(seq.tokens) - seq.computed > 1 else 0
             start = seq.computed
             planned.append((seq, paged.BatchRow(seq.kv.table, start,
-                                                seq.tokens[start:start + count], seq.kv.ticket)))
+                                                seq.tokens[start:start + count], seq.kv.ticket,
+                                                start < seq.report.prompt_tokens)))
         if planned:
             self._run(planned, result)
         return result

@@ -78,9 +78,12 @@ class StaticSuffix:
         self.blocks = torch.zeros((-(-bucket // self.per_block), 4), dtype=torch.int32,
                                   device=device)
         self.last = torch.zeros(1, dtype=torch.long, device=device)
-        # FA3's segment (``paged_fa3``): the real tokens' queries, the keys the row sees
-        self.cu_q = torch.zeros(2, dtype=torch.int32, device=device)
-        self.seqused = torch.zeros(1, dtype=torch.int32, device=device)
+        self.fa3 = None   # FA3's static plan (``paged_fa3_plan``), filled per replay
+        if backend == "fa3":
+            from kvtier.engine import paged_fa3_plan
+
+            self.fa3 = paged_fa3_plan.StaticPlan(bucket, width * self.page_size, self.page_size,
+                                                 device)
         self.hidden = torch.zeros((1, bucket, config.hidden_size), dtype=lm.dtype, device=device)
         self.out = torch.zeros((bucket, config.num_attention_heads, int(pool.shape[5])),
                                dtype=lm.dtype, device=device)
@@ -108,12 +111,12 @@ class StaticSuffix:
                               (count - offsets).clamp(0, self.per_block), start + offsets], 1)
         positions = torch.arange(start, start + bucket, dtype=torch.long)
         last = torch.tensor([max(count - 1, 0)], dtype=torch.long)
-        cu_q = torch.tensor([0, count], dtype=torch.int32)
-        seqused = torch.tensor([start + count], dtype=torch.int32)
         for static, host in ((self.ids[0], ids), (self.positions[0], positions),
                              (self.slots, slots), (self.table, table), (self.blocks, blocks),
-                             (self.last, last), (self.cu_q, cu_q), (self.seqused, seqused)):
+                             (self.last, last)):
             static.copy_(host)
+        if self.fa3 is not None:
+            self.fa3.fill(row)
 
     # ---- what the paged attention calls (as on a ``PagedBatch``) ---------------------------
     def wait_for_layer(self, layer: int) -> None:
@@ -125,12 +128,11 @@ class StaticSuffix:
     def attend(self, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """``query`` ``[1, heads, bucket, dim]`` over the row's pages: ``[1, bucket, heads, dim]``."""
         q = query[0].transpose(0, 1)
-        if self.backend == "fa3":   # the real tokens' rows; padding rows keep what they held
+        if self.fa3 is not None:   # the real tokens' rows; padding rows keep what they held
             from kvtier.engine import paged_fa3
 
-            paged_fa3.attend(q, self.pool[layer, 0], self.pool[layer, 1], self.table, self.cu_q,
-                             self.seqused, self.bucket, self.width * self.page_size, scaling,
-                             self.out)
+            paged_fa3.attend(q, self.pool[layer, 0], self.pool[layer, 1], self.fa3.plan,
+                             scaling, self.out)
             return self.out.unsqueeze(0)
         if self.backend == "triton":
             from kvtier.engine import paged_prefill_split, paged_triton
