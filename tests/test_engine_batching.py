@@ -181,12 +181,18 @@ def test_a_lone_fresh_hit_runs_its_suffix_through_the_static_forward():
         service.scheduler.call_soon(lambda: prefix_cache.drop_tiers(("device",))).result(60)
         host = service.generate(GenerationRequest(tuple(shared + [3] * 9), 6), timeout=60)
         served_host = service.engine.stats()["suffix_graph_steps"]
+        # a prompt cached whole: its last token runs alone, after a past of no whole pages
+        whole = [service.generate(GenerationRequest(tuple(shared), 6), timeout=60)
+                 for _ in range(2)]
+        served_whole = service.engine.stats()["suffix_graph_steps"]
     finally:
         service.close()
     assert got == [_greedy(lm, shared + _prompt(9, 41 + i), 6) for i in range(2)]
     assert served == 2
     assert host[0] == _greedy(lm, shared + [3] * 9, 6)
     assert host[1].prefill.cached_by_tier["host"] == 48 and served_host == 3
+    assert [w[0] for w in whole] == [_greedy(lm, shared, 6)] * 2
+    assert whole[1][1].prefill.cached_tokens == 47 and served_whole == 5
 
 
 def test_a_seeded_sampled_request_draws_the_same_tokens_alone_or_in_a_batch():

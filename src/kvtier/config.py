@@ -48,8 +48,8 @@ class EngineConfig:
     prefill_attention: str = opt("auto", "Prompt attention of the paged forwards on CUDA: fa3 "
                                  "(FlashAttention 3 from vLLM's wheel; Hopper, bf16/fp16, "
                                  "head_dim 128, not engine.deterministic), triton (kvtier's) or "
-                                 "auto (fa3 where it fits). H100, 8B: 32k recompute 1.24 vs "
-                                 "1.43 s, 32k device hit 22.5 vs 13.6 ms (fa3 vs triton).",
+                                 "auto (fa3 where it fits). H100, 8B, 32k: recompute 1.24-1.34 "
+                                 "vs 1.43 s (fa3 vs triton); figures in docs/benchmarks.md.",
                                  choices=("auto", "triton", "fa3"))
     graph_tokens: int = opt(8192, "0 turns off the captured (CUDA graph) forwards of a hit's "
                             "suffix. The server's engine captures them over its paged pool "

@@ -24,7 +24,7 @@ steps, as a suffix, beside other rows and from a graph, at head_dim 128, pages o
 tokens, GQA 4 and 7, bf16 and fp16); at head_dim 64 it did not hold (``HEAD_DIMS``). The
 entries themselves are cut at fixed key positions (``paged_fa3_plan``), so what a row computes
 depends on its position only, and a hit's short suffix over a long past still runs on many
-programs. A row of one new token (a decode) gets an empty entry here (FA3 writes zeros,
+programs. A decode row (a generated token) gets an empty entry here (FA3 writes zeros,
 reading nothing) and its attention from the split-KV decode kernel after. Engine thread only.
 """
 

@@ -186,9 +186,11 @@ class SuffixStep:
 
     def eligible(self, row: paged.BatchRow, prompt_tokens: int, fresh: bool,
                  page_size: int) -> bool:
-        """A fresh hit's whole suffix (its past whole pages, new tokens within a bucket)."""
-        return (fresh and row.start > 0 and row.start % page_size == 0
-                and row.end == prompt_tokens and 1 <= len(row.tokens) <= MAX_TOKENS)
+        """A fresh hit's whole suffix (new tokens within a bucket), its past whole pages or
+        the whole prompt but its last token (a prompt cached whole: that token runs alone)."""
+        return (fresh and row.start > 0 and 1 <= len(row.tokens) <= MAX_TOKENS
+                and row.end == prompt_tokens
+                and (row.start % page_size == 0 or len(row.tokens) == 1))
 
     @torch.inference_mode()
     def run(self, row: paged.BatchRow, pool: torch.Tensor) -> torch.Tensor | None:
