@@ -61,18 +61,24 @@ def _prompt(n: int, seed: int = 0) -> list[int]:
     return torch.randint(5, 1000, (n,), generator=generator).tolist()
 
 
-def test_a_step_of_chunks_decodes_and_prompts_attends_as_the_torch_path(fa3):
-    pytest.importorskip("triton")   # decode rows: the split-KV kernel, interpreted
-    lm, page = tiny_lm(), 8
+def _step(lm, page: int, spans: list[tuple[int, int]], seed: int):
+    """A random pool of 48 pages and one row per (past, new) span in scattered pages (a span
+    of one new token is a decode)."""
     pool = torch.randn(lm.kv_layout(page).num_layers, 2, 48, page, lm.num_kv_heads, lm.head_dim)
-    order = torch.randperm(48, generator=torch.Generator().manual_seed(3)).tolist()
-    # a decode first, a chunk after a past, another decode, a prompt: segments in any order
-    spans = [(12, 1), (30, 7), (17, 1), (0, 11)]
+    order = torch.randperm(48, generator=torch.Generator().manual_seed(seed)).tolist()
     rows, used = [], 0
     for start, new in spans:
         count = -(-(start + new) // page)
         rows.append(paged.BatchRow(order[used:used + count], start, _prompt(new, start)))
         used += count
+    return pool, rows
+
+
+def test_a_step_of_chunks_decodes_and_prompts_attends_as_the_torch_path(fa3):
+    pytest.importorskip("triton")   # decode rows: the split-KV kernel, interpreted
+    lm = tiny_lm()
+    # a decode first, a chunk after a past, another decode, a prompt: segments in any order
+    pool, rows = _step(lm, 8, [(12, 1), (30, 7), (17, 1), (0, 11)], 3)
     query = torch.randn(1, lm.config.num_attention_heads, 20, lm.head_dim)
     want_batch = paged.PagedBatch(rows, pool, "torch")
     got_batch = paged.PagedBatch(rows, pool, "fa3")
@@ -149,15 +155,9 @@ def test_a_row_is_cut_at_fixed_key_positions_whatever_its_step(short_cuts):
 
 def test_rows_across_cuts_and_passes_attend_over_all_their_keys(fa3, short_cuts):
     pytest.importorskip("triton")   # the merge and the decode rows' kernel, interpreted
-    lm, page = tiny_lm(), 8
-    pool = torch.randn(lm.kv_layout(page).num_layers, 2, 48, page, lm.num_kv_heads, lm.head_dim)
-    order = torch.randperm(48, generator=torch.Generator().manual_seed(4)).tolist()
-    spans = [(0, 45), (40, 1), (20, 30), (56, 7)]   # a prompt, a decode, a chunk, a suffix
-    rows, used = [], 0
-    for start, new in spans:
-        count = -(-(start + new) // page)
-        rows.append(paged.BatchRow(order[used:used + count], start, _prompt(new, start)))
-        used += count
+    lm = tiny_lm()
+    # a prompt, a decode, a chunk, a suffix
+    pool, rows = _step(lm, 8, [(0, 45), (40, 1), (20, 30), (56, 7)], 4)
     query = torch.randn(1, lm.config.num_attention_heads, 83, lm.head_dim)
     want = paged.PagedBatch(rows, pool, "torch")
     got = paged.PagedBatch(rows, pool, "fa3")
