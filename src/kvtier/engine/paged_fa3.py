@@ -119,7 +119,8 @@ def _unfit(device: torch.device, dtype: torch.dtype, head_dim: int,
 
 
 class _Row:
-    """A prompt row for the trial launch (``paged.BatchRow``'s fields the plan reads)."""
+    """A prompt row for the trial launch: ``paged.BatchRow``'s fields the plan reads (``paged``
+    imports this module, so it cannot be imported here)."""
 
     def __init__(self, pages: list[int], start: int, count: int) -> None:
         self.pages, self.start, self.tokens = pages, start, [0] * count

@@ -234,12 +234,12 @@ def suffix_shapes(bucket: int, capacity_tokens: int, page_size: int) -> dict[str
     return {"own": 2, "entries": full, "gathered": full * bucket, "depth": full}
 
 
-def plan_suffix(row: Any, bucket: int, capacity_tokens: int, page_size: int,
-                device: torch.device) -> Plan:
-    """The plan of a captured step of one row (None: padding only), padded to shapes that
-    depend on ``bucket`` and ``capacity_tokens`` only (``suffix_shapes``): a plan built on the
-    host copies into the step's static one (``StaticPlan``); each launch bounded by ``bucket``
+def plan_suffix(row: Any, bucket: int, capacity_tokens: int, page_size: int) -> Plan:
+    """The host-side plan of a captured step of one row (None: padding only), padded to shapes
+    that depend on ``bucket`` and ``capacity_tokens`` only (``suffix_shapes``), so that it
+    copies into the step's static one (``StaticPlan``); each launch bounded by ``bucket``
     queries an entry."""
+    host = torch.device("cpu")
     segment = segment_for(page_size)
     width = segment // page_size
     shapes = suffix_shapes(bucket, capacity_tokens, page_size)
@@ -251,11 +251,10 @@ def plan_suffix(row: Any, bucket: int, capacity_tokens: int, page_size: int,
             full.add_slice(0, row.start, max(row.start, segment), row.end, row.pages,
                            segment, page_size)
     cu_q, seqused, table = own.host(count, width, shapes["own"])
-    passed = full.build(device, width, entries=shapes["entries"], gathered=shapes["gathered"],
+    passed = full.build(host, width, entries=shapes["entries"], gathered=shapes["gathered"],
                         merged=bucket, depth=shapes["depth"])
     passed.launch.max_q = bucket
-    return Plan(Launch(cu_q.to(device), seqused.to(device), table.to(device), bucket),
-                [passed], segment, count > 0)
+    return Plan(Launch(cu_q, seqused, table, bucket), [passed], segment, count > 0)
 
 
 class StaticPlan:
@@ -268,7 +267,7 @@ class StaticPlan:
     def __init__(self, bucket: int, capacity_tokens: int, page_size: int,
                  device: torch.device) -> None:
         self.shape = (bucket, capacity_tokens, page_size)
-        host = plan_suffix(None, bucket, capacity_tokens, page_size, torch.device("cpu"))
+        host = plan_suffix(None, bucket, capacity_tokens, page_size)
         self.flat = self._flat(host).to(device)
         views, at = [], 0
         for tensor in _tensors(host):
@@ -281,7 +280,7 @@ class StaticPlan:
 
     def fill(self, row: Any) -> None:
         """Write ``row``'s plan (None: padding only)."""
-        self.flat.copy_(self._flat(plan_suffix(row, *self.shape, torch.device("cpu"))))
+        self.flat.copy_(self._flat(plan_suffix(row, *self.shape)))
 
     def _flat(self, host: Plan) -> torch.Tensor:
         pieces = []
